@@ -1,0 +1,108 @@
+"""Every setting of the service, read from the environment (or a `.env` file)."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+TEST_TOKENIZER_DIR = PACKAGE_DIR / "assets" / "tokenizer"
+
+# The instruction the seed (slime's tau-bench agent) puts in place of the chat template's
+# "You may call one or more functions" sentence: tau-bench allows at most one action a turn.
+ONE_CALL_TOOL_INSTRUCTION = (
+    " At each turn, you are allowed to call one or no function to assist "
+    "with task execution using <tools></tools> XML tags.\n"
+    "YOU MUST EXECUTE TOOLS TO MAKE ANY MODIFICATIONS OR CANCELLATIONS. "
+    "Each tool call leads to a message returned by the system.\n"
+    "NEVER confirm execution to the user without seeing confirmation "
+    "from the tool system.\n"
+)
+TEMPLATE_TOOL_INSTRUCTION = "You may call one or more functions to assist with the user query."
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore")
+
+    database_url: str = Field(
+        default="sqlite+aiosqlite:///./rollouts.db",
+        description="SQLAlchemy async URL: sqlite+aiosqlite:///path or postgresql+asyncpg://user@host/db.",
+    )
+    sglang_url: str = Field(
+        default="http://127.0.0.1:30000",
+        description="One SGLang worker, or the SGLang router in front of many.",
+    )
+    sglang_worker_urls: str = Field(
+        default="",
+        description="Comma-separated worker URLs for control calls (abort, pause) when SGLANG_URL is a "
+        "router; empty means ask the router's GET /workers, or use SGLANG_URL itself.",
+    )
+    tokenizer_path: str = Field(
+        default=str(TEST_TOKENIZER_DIR),
+        description="A Hugging Face tokenizer directory (or hub id, if cached) with a chat template that "
+        "renders system, user, assistant and tool messages. Default: the project's small test tokenizer.",
+    )
+    tool_call_format: str = Field(default="qwen25", description="Tool-call text format of the policy.")
+    tool_instruction: str = Field(
+        default=ONE_CALL_TOOL_INSTRUCTION,
+        description="Replaces TEMPLATE_TOOL_INSTRUCTION in the rendered system prompt; empty keeps it.",
+    )
+    template_tool_instruction: str = Field(
+        default=TEMPLATE_TOOL_INSTRUCTION,
+        description="The chat template's own tool instruction sentence, the one replaced.",
+    )
+    api_keys: str = Field(
+        default="",
+        description="Comma-separated API keys; when set, every endpoint but /health needs "
+        "'Authorization: Bearer <key>'. Unset: no authentication (a warning is logged at start).",
+    )
+
+    # The queue and the worker.
+    run_worker: bool = Field(default=True, description="Run episodes in this process (false: API only).")
+    lease_seconds: float = Field(
+        default=20.0, gt=0, description="An episode whose lease is not renewed for this long is re-queued."
+    )
+    sweep_interval_seconds: float = Field(default=5.0, gt=0, description="How often expired leases are swept.")
+    claim_interval_seconds: float = Field(
+        default=0.2, gt=0, description="Idle poll interval of the claim loop when the queue was empty."
+    )
+    max_attempts: int = Field(
+        default=3, ge=1, description="An episode re-queued this many times (e.g. crashing its worker) fails."
+    )
+    max_running_episodes: int = Field(default=2048, ge=1, description="Episodes in flight in this process.")
+    max_inflight_generates: int = Field(default=512, ge=1, description="Concurrent /generate calls.")
+    env_workers: int = Field(default=2, ge=1, description="Environment worker processes (or threads).")
+    env_executor: str = Field(default="process", description="'process' or 'thread' for env work.")
+    shutdown_timeout_seconds: float = Field(
+        default=30.0, ge=0, description="On SIGTERM, how long in-flight episodes may run before release."
+    )
+
+    # Engine calls.
+    engine_timeout_seconds: float = Field(default=600.0, gt=0, description="Timeout of one /generate call.")
+    engine_retries: int = Field(default=5, ge=0, description="Retries of a connection error or 5xx.")
+    engine_backoff_seconds: float = Field(default=0.5, ge=0, description="First retry delay; doubles.")
+
+    # Limits.
+    max_request_bytes: int = Field(default=1_048_576, ge=1024, description="Largest accepted request body.")
+    max_episodes_per_request: int = Field(default=10_000, ge=1, description="Episodes one POST may create.")
+    max_long_poll_seconds: float = Field(default=300.0, ge=0, description="Upper bound of ?wait=.")
+
+    # The user simulator of LLM-driven environments (tau-bench).
+    user_sim_base_url: str = Field(default="", description="OpenAI-compatible base URL, e.g. http://h:30000/v1.")
+    user_sim_model: str = Field(default="", description="Model name sent to the user simulator.")
+    user_sim_api_key: str = Field(default="", description="Bearer key of the user simulator endpoint.")
+    user_sim_temperature: float = Field(default=0.0, ge=0, description="Temperature of every user turn.")
+    user_sim_seed: int | None = Field(default=None, description="Seed sent with every user-simulator call.")
+
+    log_level: str = Field(default="INFO", description="Python logging level.")
+
+    @cached_property
+    def api_key_list(self) -> list[str]:
+        return [key.strip() for key in self.api_keys.split(",") if key.strip()]
+
+    @cached_property
+    def worker_url_list(self) -> list[str]:
+        return [url.strip().rstrip("/") for url in self.sglang_worker_urls.split(",") if url.strip()]

@@ -1,0 +1,180 @@
+"""One episode: the multi-turn tool-calling loop between the policy (SGLang) and an environment."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from service.engine.client import EngineError, Generation
+from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
+from service.envs.host import EnvError, EnvWorkerCrashed
+from service.loop.records import EpisodeResult, EpisodeSpec, EpisodeStatus, TurnRecord
+from service.loop.tokens import ChatTokenizer, Trajectory
+from service.loop.toolcalls import ToolCallParseError, ToolCallParser
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NEW_TOKENS = 1024  # per turn, when sampling_params has none
+# Env errors that are infrastructure (the user simulator's endpoint), not the episode's fault.
+INFRASTRUCTURE_ENV_ERRORS = ("UserSimulatorError",)
+
+
+class Engine(Protocol):
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> Generation: ...
+
+
+class EnvSession(Protocol):
+    system_prompt: str
+    tools: list[dict[str, Any]]
+
+    async def reset(self, task_index: int) -> Reset: ...
+
+    async def step(self, action: Action) -> Step: ...
+
+    async def close(self) -> None: ...
+
+
+class EnvOpener(Protocol):
+    async def open(self, env_name: str, split: str, episode_key: str) -> EnvSession: ...
+
+
+class EpisodeRunner:
+    def __init__(self, engine: Engine, envs: EnvOpener, chat: ChatTokenizer, parser: ToolCallParser) -> None:
+        self.engine = engine
+        self.envs = envs
+        self.chat = chat
+        self.parser = parser
+
+    async def run(self, spec: EpisodeSpec) -> EpisodeResult:
+        episode = _Episode(spec)
+        try:
+            session = await self.envs.open(spec.env, spec.task_split, f"{spec.episode_id}:{spec.attempt}")
+        except EnvWorkerCrashed as error:
+            return episode.end(EpisodeStatus.FAILED, f"env worker crashed: {error}")
+        except EnvError as error:
+            return episode.end(_env_error_status(error), f"env construction failed: {error}")
+        try:
+            return await self._play(episode, session)
+        finally:
+            await session.close()
+
+    async def _play(self, episode: _Episode, session: EnvSession) -> EpisodeResult:
+        spec = episode.spec
+        try:
+            started = time.perf_counter()
+            reset = await session.reset(spec.task_index)
+            episode.reset_seconds = time.perf_counter() - started
+            episode.info = dict(reset.info)
+            episode.messages = [
+                {"role": "system", "content": session.system_prompt},
+                {"role": "user", "content": reset.observation},
+            ]
+            episode.trajectory = Trajectory(
+                self.chat.prompt_ids(session.system_prompt, session.tools, reset.observation)
+            )
+            for turn in range(spec.max_turns):
+                status = await self._turn(episode, session, turn)
+                if status is not None:
+                    return episode.end(status)
+            episode.note = f"turn limit {spec.max_turns} reached"
+            return episode.end(EpisodeStatus.TRUNCATED)
+        except EngineError as error:
+            return episode.end(EpisodeStatus.FAILED, f"engine: {error}")
+        except EnvWorkerCrashed as error:
+            return episode.end(EpisodeStatus.FAILED, f"env worker crashed: {error}")
+        except EnvError as error:
+            return episode.end(_env_error_status(error), f"env: {error}")
+
+    async def _turn(self, episode: _Episode, session: EnvSession, turn: int) -> EpisodeStatus | None:
+        """Plays one turn; returns the episode's final status if the turn ended it."""
+        spec, trajectory = episode.spec, episode.trajectory
+        params = dict(spec.sampling_params)
+        max_new_tokens = int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+        if spec.max_response_tokens is not None:
+            remaining = spec.max_response_tokens - len(trajectory.response_ids)
+            if remaining <= 0:
+                episode.note = "response-token budget spent"
+                return EpisodeStatus.TRUNCATED
+            max_new_tokens = min(max_new_tokens, remaining)
+        params["max_new_tokens"] = max_new_tokens
+
+        started = time.perf_counter()
+        rid = f"{spec.episode_id}:{spec.attempt}:{turn}"
+        generation = await self.engine.generate(trajectory.input_ids(), params, rid)
+        record = TurnRecord(
+            turn=turn,
+            weight_version=generation.weight_version,
+            finish_reason=generation.finish_reason,
+            output_tokens=len(generation.output_ids),
+            engine_seconds=time.perf_counter() - started,
+        )
+        episode.turns.append(record)
+        trajectory.add_sampled(generation.output_ids, generation.logprobs)
+        content = self.chat.sampled_text(generation.output_ids)
+        episode.messages.append({"role": "assistant", "content": content})
+        trajectory.add_context(self.chat.closing_ids(generation.output_ids))
+
+        if generation.finish_type == "abort":
+            episode.note = f"engine aborted the request: {generation.finish_reason.get('message', '')}".strip()
+            return EpisodeStatus.ABORTED
+        if generation.finish_type == "length":
+            episode.note = f"turn {turn} hit max_new_tokens={max_new_tokens}"
+            return EpisodeStatus.TRUNCATED
+        try:
+            action = self.parser(content).action
+        except ToolCallParseError as error:
+            episode.note = f"unparseable tool call: {error}"
+            return EpisodeStatus.ABORTED
+
+        started = time.perf_counter()
+        step = await session.step(action)
+        record.env_seconds = time.perf_counter() - started
+        record.action = action.name
+        if action.name == RESPOND_ACTION_NAME:
+            message = {"role": "user", "content": step.observation}
+        else:
+            message = {"role": "tool", "name": action.name, "content": step.observation}
+        episode.messages.append(message)
+        trajectory.add_context(self.chat.message_ids(message))
+        episode.reward = step.reward
+        episode.info.update(step.info)
+        return EpisodeStatus.COMPLETED if step.done else None
+
+
+class _Episode:
+    """The mutable state of one episode while it runs."""
+
+    def __init__(self, spec: EpisodeSpec) -> None:
+        self.spec = spec
+        self.trajectory = Trajectory(prompt_ids=[])
+        self.messages: list[dict[str, Any]] = []
+        self.info: dict[str, Any] = {}
+        self.turns: list[TurnRecord] = []
+        self.reward: float | None = None
+        self.reset_seconds = 0.0
+        self.note: str | None = None  # why a non-completed episode ended
+
+    def end(self, status: EpisodeStatus, error: str | None = None) -> EpisodeResult:
+        message = error if error is not None else self.note
+        if status is EpisodeStatus.FAILED:
+            logger.warning("episode %s failed: %s", self.spec.episode_id, message)
+        trajectory = self.trajectory
+        return EpisodeResult(
+            status=status,
+            reward=self.reward if self.reward is not None else 0.0,
+            prompt_ids=trajectory.prompt_ids,
+            response_ids=trajectory.response_ids,
+            loss_mask=trajectory.loss_mask,
+            logprobs=trajectory.logprobs,
+            messages=self.messages,
+            info=self.info,
+            turns=self.turns,
+            error=message,
+            reset_seconds=self.reset_seconds,
+        )
+
+
+def _env_error_status(error: EnvError) -> EpisodeStatus:
+    infrastructure = error.exc_type.rsplit(".", 1)[-1] in INFRASTRUCTURE_ENV_ERRORS
+    return EpisodeStatus.FAILED if infrastructure else EpisodeStatus.ABORTED

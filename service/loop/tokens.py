@@ -1,0 +1,136 @@
+"""Token accounting of one conversation: the ids the model saw and sampled, built incrementally.
+
+The first prompt is rendered once with the chat template. After that nothing is re-rendered:
+each turn appends the ids the engine returned (loss mask 1, its logprobs), the template tokens
+that close the assistant turn when the model did not sample them, and the tokens of the next
+message plus the next generation header (mask 0, logprob 0.0). Those template pieces come from
+rendering only the new message against a small fixed prefix and taking the suffix, so a turn
+costs what its new message costs, not what the conversation costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+# Probe conversation for the template pieces. Contents are arbitrary but must not be empty
+# (some templates skip empty contents) and must not look like template syntax.
+PROBE_PREFIX = [{"role": "system", "content": "PROBE_SYSTEM"}, {"role": "user", "content": "PROBE_USER"}]
+PROBE_ASSISTANT = {"role": "assistant", "content": "PROBE_ASSISTANT"}
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot be extended incrementally (or renders a role badly)."""
+
+
+class HFTokenizer(Protocol):
+    """The part of a Hugging Face tokenizer this module uses."""
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class Trajectory:
+    """P (prompt), R (response), M (loss mask), L (logprobs) of one episode, as they grow."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def add_sampled(self, ids: list[int], logprobs: list[float]) -> None:
+        if len(ids) != len(logprobs):
+            raise ValueError(f"{len(ids)} sampled ids but {len(logprobs)} logprobs")
+        self.response_ids.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.logprobs.extend(logprobs)
+
+    def add_context(self, ids: list[int]) -> None:
+        self.response_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+
+
+class ChatTokenizer:
+    """Renders a conversation's pieces with one tokenizer's chat template, as token ids."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        tool_instruction: str = "",
+        template_tool_instruction: str = "",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.tool_instruction = tool_instruction
+        self.template_tool_instruction = template_tool_instruction
+        prefix_with_header = self.render(PROBE_PREFIX, add_generation_prompt=True)
+        self._after_probe_assistant = self.render([*PROBE_PREFIX, PROBE_ASSISTANT], add_generation_prompt=False)
+        opened = prefix_with_header + PROBE_ASSISTANT["content"]
+        if not self._after_probe_assistant.startswith(opened):
+            raise ChatTemplateError(
+                "the chat template does not render an assistant message as the generation header "
+                "followed by its content; it cannot be extended incrementally"
+            )
+        self.close_text = self._after_probe_assistant[len(opened) :]
+        self.close_ids = self.encode(self.close_text)
+        for role in ("user", "tool"):
+            self.message_ids({"role": role, "content": "PROBE_MESSAGE"})  # fails early, not mid-episode
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool,
+    ) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        if not isinstance(text, str):
+            raise ChatTemplateError("apply_chat_template(tokenize=False) did not return text")
+        if tools and self.tool_instruction and self.template_tool_instruction:
+            text = text.replace(self.template_tool_instruction, self.tool_instruction)
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def prompt_ids(self, system_prompt: str, tools: list[dict[str, Any]], first_message: str) -> list[int]:
+        """P: system prompt with the tools, the first user message, the first generation header."""
+        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": first_message}]
+        return self.encode(self.render(messages, tools=tools, add_generation_prompt=True))
+
+    def closing_ids(self, sampled_ids: list[int]) -> list[int]:
+        """Template tokens that end the assistant turn after `sampled_ids`, less what the model sampled.
+
+        If the model sampled the end-of-turn token (e.g. `<|im_end|>`), only the rest (`\\n`) is
+        added; a turn cut by length or abort gets the whole closing sequence.
+        """
+        close = self.close_ids
+        for overlap in range(min(len(close), len(sampled_ids)), 0, -1):
+            if sampled_ids[-overlap:] == close[:overlap]:
+                return close[overlap:]
+        return list(close)
+
+    def sampled_text(self, sampled_ids: list[int]) -> str:
+        """The assistant message content of a turn: its sampled ids, less a sampled end of turn."""
+        kept = len(sampled_ids) - (len(self.close_ids) - len(self.closing_ids(sampled_ids)))
+        return self.decode(sampled_ids[:kept])
+
+    def message_ids(self, message: dict[str, Any]) -> list[int]:
+        """Ids of a user or tool message that follows an assistant turn, plus the next header."""
+        text = self.render([*PROBE_PREFIX, PROBE_ASSISTANT, message], add_generation_prompt=True)
+        if not text.startswith(self._after_probe_assistant):
+            raise ChatTemplateError(f"rendering a {message['role']!r} message rewrites the conversation before it")
+        return self.encode(text[len(self._after_probe_assistant) :])

@@ -1,0 +1,227 @@
+"""Property tests: the four invariants of docs/trainer-contract.md hold for any conversation.
+
+The runner is driven by an engine double that answers as SGLang's /generate does (ids, logprobs,
+finish reasons stop/length/abort, stop token included or not) with ids that are NOT the canonical
+tokenization of its text, and by an environment double with arbitrary observations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from service.engine.client import Generation
+from service.envs.base import Action, Reset, Step
+from service.loop.records import EpisodeResult, EpisodeSpec, EpisodeStatus
+from service.loop.runner import EpisodeRunner
+from service.loop.toolcalls import get_parser
+from tests.tokenizer_helpers import chat_tokenizer, noncanonical_ids, load_test_tokenizer
+
+IM_END = "<|im_end|>"
+text = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=60).filter(
+    lambda value: "<|" not in value
+)
+
+
+@dataclass
+class PlannedTurn:
+    kind: str  # tool | respond | malformed
+    body: str
+    finish: str  # stop_with_token | stop_without_token | length | abort
+    observation: str
+    split_seed: int
+
+
+@st.composite
+def planned_turns(draw: st.DrawFn) -> PlannedTurn:
+    kind = draw(st.sampled_from(["tool", "tool", "respond", "malformed"]))
+    finish = draw(st.sampled_from(["stop_with_token", "stop_with_token", "stop_without_token", "length", "abort"]))
+    return PlannedTurn(kind, draw(text), finish, draw(text), draw(st.integers(0, 2**32)))
+
+
+@dataclass
+class RecordingEngine:
+    turns: list[PlannedTurn]
+    calls: list[tuple[list[int], Generation]] = field(default_factory=list)
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> Generation:
+        plan = self.turns[len(self.calls)]
+        if plan.kind == "tool":
+            call = json.dumps({"name": "lookup", "arguments": {"q": plan.body[:20]}})
+            reply = f"{plan.body}<tool_call>\n{call}\n</tool_call>"
+        elif plan.kind == "malformed":
+            reply = f"<tool_call>\n{{not json {plan.body}\n</tool_call>"
+        else:
+            reply = plan.body or "ok"
+        rng = random.Random(plan.split_seed)
+        ids = noncanonical_ids(reply, rng)
+        finish: dict[str, Any]
+        if plan.finish == "length":
+            ids = ids[: max(1, len(ids) // 2)]
+            finish = {"type": "length", "length": len(ids)}
+        elif plan.finish == "abort":
+            ids = ids[: len(ids) // 3]
+            finish = {"type": "abort", "message": "aborted by test"}
+        else:
+            im_end = load_test_tokenizer().convert_tokens_to_ids(IM_END)
+            if plan.finish == "stop_with_token":
+                ids = [*ids, im_end]
+            finish = {"type": "stop", "matched": im_end}
+        logprobs = [-rng.random() * 3 for _ in ids]
+        generation = Generation(
+            output_ids=ids,
+            logprobs=logprobs,
+            finish_type=finish["type"],
+            finish_reason=finish,
+            weight_version=f"v{len(self.calls)}",
+            prompt_tokens=len(input_ids),
+            cached_tokens=0,
+            text=load_test_tokenizer().decode(ids, skip_special_tokens=True),
+        )
+        self.calls.append((list(input_ids), generation))
+        return generation
+
+
+@dataclass
+class ScriptedSession:
+    system_prompt: str
+    tools: list[dict[str, Any]]
+    first_observation: str
+    turns: list[PlannedTurn]
+    done_at: int
+    steps: list[Action] = field(default_factory=list)
+
+    async def reset(self, task_index: int) -> Reset:
+        return Reset(self.first_observation, {"task": task_index})
+
+    async def step(self, action: Action) -> Step:
+        self.steps.append(action)
+        index = len(self.steps) - 1
+        done = index == self.done_at
+        return Step(self.turns[index].observation, 1.0 if done else 0.0, done, {"step": index})
+
+    async def close(self) -> None:
+        pass
+
+
+@dataclass
+class ScriptedEnvs:
+    session: ScriptedSession
+
+    async def open(self, env_name: str, split: str, episode_key: str) -> ScriptedSession:
+        return self.session
+
+
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Looks something up.",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}
+
+
+def run_episode(
+    system: str, first: str, turns: list[PlannedTurn], done_at: int, max_turns: int
+) -> tuple[EpisodeResult, RecordingEngine]:
+    engine = RecordingEngine(turns)
+    session = ScriptedSession(system or "sys", [TOOL_SCHEMA], first or "hi", turns, done_at)
+    runner = EpisodeRunner(engine, ScriptedEnvs(session), chat_tokenizer(), get_parser("qwen25"))
+    spec = EpisodeSpec("ep", 0, "test", "train", 0, {"max_new_tokens": 64}, max_turns)
+    return asyncio.run(runner.run(spec)), engine
+
+
+def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
+    prompt, response, mask, logprobs = result.prompt_ids, result.response_ids, result.loss_mask, result.logprobs
+    # 1. Equal lengths.
+    assert len(response) == len(mask) == len(logprobs)
+    # 2. Every call's input is P + R[:o]; its output is R[o:o+n] exactly, mask 1, its logprobs.
+    sampled = [False] * len(response)
+    for input_ids, generation in engine.calls:
+        assert input_ids[: len(prompt)] == prompt
+        offset, count = len(input_ids) - len(prompt), len(generation.output_ids)
+        assert input_ids[len(prompt) :] == response[:offset]
+        assert response[offset : offset + count] == generation.output_ids
+        assert mask[offset : offset + count] == [1] * count
+        assert logprobs[offset : offset + count] == generation.logprobs
+        sampled[offset : offset + count] = [True] * count
+    # 3. Everything else: mask 0, logprob 0.0.
+    for position, was_sampled in enumerate(sampled):
+        if not was_sampled:
+            assert mask[position] == 0 and logprobs[position] == 0.0
+    # 4. P + R is the transcript as the model is fed it: one full render of the messages, and the
+    # tokens of every turn boundary are present (header after each env message, close after each turn).
+    chat = chat_tokenizer()
+    ends_on_assistant = result.messages[-1]["role"] == "assistant"
+    expected = chat.render(result.messages, tools=[TOOL_SCHEMA], add_generation_prompt=not ends_on_assistant)
+    assert chat.decode(prompt + response) == expected
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    system=text,
+    first=text,
+    turns=st.lists(planned_turns(), min_size=1, max_size=6),
+    done_at=st.integers(0, 8),
+    max_turns=st.integers(1, 8),
+)
+def test_invariants_hold_for_any_conversation(
+    system: str, first: str, turns: list[PlannedTurn], done_at: int, max_turns: int
+) -> None:
+    turns = turns + turns[: max(0, max_turns - len(turns))]  # enough planned turns for the limit
+    result, engine = run_episode(system, first, turns[:max_turns], done_at, max_turns)
+    check_invariants(result, engine)
+    last = engine.calls[-1][1]
+    assert len(engine.calls) == len(result.turns)
+    assert [turn.weight_version for turn in result.turns] == [f"v{i}" for i in range(len(engine.calls))]
+    if last.finish_type == "abort":
+        assert result.status is EpisodeStatus.ABORTED
+    elif last.finish_type == "length":
+        assert result.status is EpisodeStatus.TRUNCATED
+    elif result.status is EpisodeStatus.COMPLETED:
+        assert result.reward == 1.0
+
+
+def test_stop_token_is_closed_without_mask_and_header_is_stored() -> None:
+    """The seed's defects: header of later turns missing; `\\n` after <|im_end|> trained on."""
+    turns = [
+        PlannedTurn("tool", "", "stop_with_token", "result one", 1),
+        PlannedTurn("tool", "", "stop_without_token", "result two", 2),
+        PlannedTurn("respond", "bye", "stop_with_token", "###STOP###", 3),
+    ]
+    result, engine = run_episode("sys", "hello", turns, done_at=2, max_turns=5)
+    check_invariants(result, engine)
+    assert result.status is EpisodeStatus.COMPLETED and result.reward == 1.0
+    chat = chat_tokenizer()
+    trained = [token for token, m in zip(result.response_ids, result.loss_mask, strict=True) if m]
+    im_end, newline = chat.close_ids
+    # The first and third turns sampled <|im_end|> (trained); the second did not (added, mask 0).
+    assert trained.count(im_end) == 2
+    assert newline not in trained[-1:]
+    header = chat.encode("<|im_start|>assistant\n")
+    response_text = chat.decode(result.response_ids)
+    assert response_text.count("<|im_start|>assistant\n") == 3  # before turns 2 and 3, and at the end
+    assert result.response_ids[-len(header) :] == header
+
+
+def test_unparseable_tool_call_aborts_and_keeps_the_turn() -> None:
+    turns = [PlannedTurn("malformed", "x", "stop_with_token", "", 1)]
+    result, engine = run_episode("sys", "hello", turns, done_at=5, max_turns=3)
+    check_invariants(result, engine)
+    assert result.status is EpisodeStatus.ABORTED
+    assert result.error is not None and "unparseable tool call" in result.error
+    assert sum(result.loss_mask) == len(engine.calls[0][1].output_ids)
+
+
+def test_turn_limit_truncates() -> None:
+    turns = [PlannedTurn("tool", "a", "stop_with_token", "r", i) for i in range(3)]
+    result, engine = run_episode("sys", "hello", turns, done_at=10, max_turns=3)
+    check_invariants(result, engine)
+    assert result.status is EpisodeStatus.TRUNCATED and len(engine.calls) == 3

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from service.envs.base import RESPOND_ACTION_NAME, Action
+from service.loop.toolcalls import ToolCallParseError, get_parser, parse_qwen25
+
+
+def call(name: str, arguments: object, key: str = "arguments") -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, key: arguments})}\n</tool_call>"
+
+
+def test_plain_text_is_a_respond_action() -> None:
+    turn = parse_qwen25("Your order is on its way.")
+    assert turn.action == Action(RESPOND_ACTION_NAME, {"content": "Your order is on its way."})
+    assert turn.calls_found == 0
+
+
+def test_first_call_only_with_content_before_it() -> None:
+    text = "Let me check.\n" + call("get_order", {"id": "#W1"}) + "\n" + call("cancel", {"id": "#W1"})
+    turn = parse_qwen25(text)
+    assert turn.action == Action("get_order", {"id": "#W1"})
+    assert turn.content == "Let me check."
+    assert turn.calls_found == 2
+
+
+def test_parameters_and_string_arguments_are_accepted() -> None:
+    assert parse_qwen25(call("f", {"a": 1}, key="parameters")).action == Action("f", {"a": 1})
+    assert parse_qwen25(call("f", json.dumps({"a": 1}))).action == Action("f", {"a": 1})
+
+
+def test_malformed_block_is_skipped_like_sglang() -> None:
+    text = "<tool_call>\n{broken\n</tool_call>\n" + call("g", {})
+    assert parse_qwen25(text).action == Action("g", {})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\n{broken json}\n</tool_call>",
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',
+        "<tool_call>{no newline}</tool_call>",
+    ],
+)
+def test_unparseable_call_raises(text: str) -> None:
+    with pytest.raises(ToolCallParseError):
+        parse_qwen25(text)
+
+
+def test_unclosed_call_at_the_end_is_parsed() -> None:
+    assert parse_qwen25('<tool_call>\n{"name": "f", "arguments": {}}').action == Action("f", {})
+
+
+def test_registry() -> None:
+    assert get_parser("qwen25") is parse_qwen25
+    with pytest.raises(ValueError, match="known: \\['qwen25'\\]"):
+        get_parser("nope")
+
+
+@given(st.text(), st.dictionaries(st.text(), st.integers() | st.text()))
+def test_any_arguments_round_trip(prefix: str, arguments: dict[str, object]) -> None:
+    prefix = prefix.replace("<tool_call>", "")
+    turn = parse_qwen25(prefix + call("tool", arguments))
+    assert turn.action == Action("tool", arguments)

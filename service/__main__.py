@@ -1,0 +1,73 @@
+"""Command line: `python -m service migrate | serve | demo | sim-worker | openapi`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m service", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("migrate", help="Upgrade the database of DATABASE_URL to the newest schema.")
+    serve = commands.add_parser("serve", help="Serve the API and run episodes (RUN_WORKER=false: API only).")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--migrate", action="store_true", help="Migrate the database first.")
+    demo = commands.add_parser("demo", help="One batch end to end on SQLite with a simulated SGLang worker.")
+    demo.add_argument("--tasks", type=int, default=16, help="Tasks of builtin/shop's test split.")
+    demo.add_argument("--samples", type=int, default=4, help="Samples per task (a GRPO group).")
+    demo.add_argument("--database", default="sqlite+aiosqlite:///./demo.db")
+    sim = commands.add_parser("sim-worker", help="Serve a simulated SGLang worker (tests, demos, benchmarks).")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=30000)
+    sim.add_argument("--latency", type=float, default=0.02, help="Seconds per request.")
+    sim.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the test tokenizer).")
+    openapi = commands.add_parser("openapi", help="Write the API's OpenAPI document as YAML.")
+    openapi.add_argument("--output", type=Path, default=None, help="File to write (default: stdout).")
+    args = parser.parse_args(argv)
+
+    from service.config import Settings
+    from service.logs import configure_logging
+
+    settings = Settings()
+    configure_logging(settings.log_level)
+    if args.command == "migrate":
+        from service.storage.db import run_migrations
+
+        run_migrations(settings.database_url)
+    elif args.command == "serve":
+        import uvicorn
+
+        from service.app import create_app
+
+        if args.migrate:
+            from service.storage.db import run_migrations
+
+            run_migrations(settings.database_url)
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_config=None, ws="none")
+    elif args.command == "demo":
+        from service.demo import run_demo
+
+        return run_demo(database_url=args.database, tasks=args.tasks, samples=args.samples)
+    elif args.command == "sim-worker":
+        from service.engine.sim import SimConfig, main as sim_main
+
+        config = SimConfig(latency_seconds=args.latency)
+        if args.tokenizer:
+            config = SimConfig(latency_seconds=args.latency, tokenizer_path=args.tokenizer)
+        sim_main(args.host, args.port, config)
+    elif args.command == "openapi":
+        from service.openapi import openapi_yaml
+
+        text = openapi_yaml()
+        if args.output is None:
+            sys.stdout.write(text)
+        else:
+            args.output.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

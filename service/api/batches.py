@@ -1,0 +1,148 @@
+"""GET /batches/{id}: what the trainer pulls, as JSON or as an Arrow IPC stream, with long-poll."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Path, Query, Response
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.api.arrow import ARROW_STREAM_MEDIA_TYPE, episodes_to_arrow
+from service.api.deps import ServicesDep
+from service.api.errors import NotFound, responses
+from service.api.episodes import summarize
+from service.api.schemas import BatchOut, EpisodeSummary
+from service.app_state import Services
+from service.loop.records import FINISHED_STATUSES
+from service.storage.batches import batch_status_counts, get_batch, load_batch_episodes
+from service.storage.models import Batch, Episode
+
+router = APIRouter(tags=["batches"])
+
+WAIT_POLL_SECONDS = 1.0  # how often a long-poll re-reads the database (other processes' results)
+BYTES_PER_ID = 4  # int32 blobs
+
+
+async def _wait_until_complete(services: Services, batch_id: str, wait: float) -> None:
+    deadline = time.monotonic() + min(wait, services.settings.max_long_poll_seconds)
+    while True:
+        async with services.database.sessionmaker() as session:
+            counts = await batch_status_counts(session, batch_id)
+        if counts["queued"] + counts["running"] == 0:
+            return
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        condition = services.batch_finished
+        async with condition:
+            try:
+                await asyncio.wait_for(condition.wait(), min(remaining, WAIT_POLL_SECONDS))
+            except TimeoutError:
+                pass
+
+
+def complete_groups(statuses: list[tuple[int, str]]) -> set[int]:
+    """Groups all of whose episodes have a final status."""
+    unfinished: dict[int, bool] = defaultdict(bool)
+    for group, status in statuses:
+        unfinished[group] |= status not in FINISHED_STATUSES
+    return {group for group, pending in unfinished.items() if not pending}
+
+
+async def _summaries(session: AsyncSession, batch_id: str) -> tuple[list[EpisodeSummary], int, int]:
+    rows = (
+        await session.execute(
+            select(
+                Episode,
+                func.length(Episode.prompt_ids).label("prompt_bytes"),
+                func.length(Episode.response_ids).label("response_bytes"),
+            )
+            .where(Episode.batch_id == batch_id)
+            .order_by(Episode.group_index, Episode.sample_index)
+            .options(*_without_tokens())
+        )
+    ).all()
+    groups = complete_groups([(row.Episode.group_index, row.Episode.status) for row in rows])
+    summaries = [
+        EpisodeSummary(
+            **summarize(
+                row.Episode,
+                prompt_length=None if row.prompt_bytes is None else row.prompt_bytes // BYTES_PER_ID,
+                response_length=None if row.response_bytes is None else row.response_bytes // BYTES_PER_ID,
+            )
+        )
+        for row in rows
+        if row.Episode.group_index in groups
+    ]
+    total_groups = len({row.Episode.group_index for row in rows})
+    return summaries, len(groups), total_groups
+
+
+def _without_tokens() -> list[Any]:
+    from sqlalchemy.orm import defer
+
+    return [
+        defer(column, raiseload=True)
+        for column in (Episode.prompt_ids, Episode.response_ids, Episode.loss_mask, Episode.rollout_logprobs)
+    ] + [defer(Episode.messages, raiseload=True), defer(Episode.info, raiseload=True)]
+
+
+def _batch_out(batch: Batch, counts: dict[str, int], summaries: list[EpisodeSummary], groups: tuple[int, int]) -> BatchOut:
+    total = sum(counts.values())
+    finished = sum(counts[status] for status in FINISHED_STATUSES)
+    return BatchOut(
+        batch_id=batch.id,
+        env=batch.env,
+        task_split=batch.task_split,
+        metadata=batch.metadata_,
+        created_at=batch.created_at,
+        counts=counts,
+        total=total,
+        finished=finished,
+        complete=finished == total,
+        groups_complete=groups[0],
+        groups_total=groups[1],
+        episodes=summaries,
+    )
+
+
+@router.get(
+    "/batches/{batch_id}",
+    operation_id="get_batch",
+    response_model=BatchOut,
+    responses={
+        **responses(NotFound),
+        200: {
+            "description": "The batch as JSON, or with `Accept: application/vnd.apache.arrow.stream` an "
+            "Arrow IPC stream with one row per episode of the complete groups, token arrays included.",
+            "content": {ARROW_STREAM_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+        },
+    },
+)
+async def get_batch_results(
+    services: ServicesDep,
+    batch_id: Annotated[str, Path(max_length=128)],
+    wait: Annotated[float, Query(ge=0, description="Long-poll: seconds to wait for the batch to complete.")] = 0,
+    accept: Annotated[str, Header()] = "application/json",
+) -> Any:
+    """Counts by status and the episodes of complete groups (a GRPO group arrives whole)."""
+    async with services.database.sessionmaker() as session:
+        if await get_batch(session, batch_id) is None:
+            raise NotFound(f"no batch {batch_id!r}")
+    if wait > 0:
+        await _wait_until_complete(services, batch_id, wait)
+    async with services.database.sessionmaker() as session:
+        batch = await get_batch(session, batch_id)
+        assert batch is not None
+        counts = await batch_status_counts(session, batch_id)
+        if ARROW_STREAM_MEDIA_TYPE in accept:
+            episodes = await load_batch_episodes(session, batch_id, with_tokens=True)
+            groups = complete_groups([(episode.group_index, episode.status) for episode in episodes])
+            body = episodes_to_arrow([episode for episode in episodes if episode.group_index in groups])
+            return Response(content=body, media_type=ARROW_STREAM_MEDIA_TYPE)
+        summaries, groups_complete, groups_total = await _summaries(session, batch_id)
+    return _batch_out(batch, counts, summaries, (groups_complete, groups_total))

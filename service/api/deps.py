@@ -1,0 +1,28 @@
+"""Dependencies of the routes: the app's services and one transaction per request."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from service.app_state import Services
+
+
+def get_services(request: Request) -> Services:
+    services: Services = request.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+async def get_session(services: ServicesDep) -> AsyncIterator[AsyncSession]:
+    """One transaction per request: committed if the route returns, rolled back if it raises."""
+    async with services.database.sessionmaker.begin() as session:
+        yield session
+
+
+SessionDep = Annotated[AsyncSession, Depends(get_session)]

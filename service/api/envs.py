@@ -1,0 +1,19 @@
+"""GET /envs: the environments this service can run."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from service.api.deps import ServicesDep
+from service.api.schemas import EnvOut
+
+router = APIRouter(tags=["envs"])
+
+
+@router.get("/envs", operation_id="list_envs", response_model=list[EnvOut])
+async def list_envs(services: ServicesDep) -> list[EnvOut]:
+    """Environment names for POST /episodes, with their splits and task counts."""
+    return [
+        EnvOut(name=spec.name, description=spec.description, splits=dict(spec.splits))
+        for spec in services.envs.values()
+    ]

@@ -1,0 +1,76 @@
+"""ASGI middleware: API keys and request size limits, before any route runs."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import FastAPI, HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api.errors import PayloadTooLarge, ServiceError, Unauthorized, error_response
+from service.config import Settings
+
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while a body without Content-Length streams in past the limit. An HTTPException,
+    because FastAPI turns any other error raised while reading a body into a 400."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body larger than {limit} bytes")
+
+
+class GuardMiddleware:
+    """401 without a valid `Authorization: Bearer <key>` (when keys are set); 413 past the size limit."""
+
+    def __init__(self, app: ASGIApp, *, api_keys: list[str], max_body_bytes: int) -> None:
+        self.app = app
+        self.api_keys = [key.encode() for key in api_keys]
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.api_keys and scope["path"] not in PUBLIC_PATHS and not self._authorized(headers):
+            await self._reject(Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'"), scope, receive, send)
+            return
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await self._reject(self._too_large(), scope, receive, send)
+            return
+        await self.app(scope, self._limited(receive), send)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not key:
+            return False
+        # Compare against every key, without an early exit, in constant time per key.
+        matches = [hmac.compare_digest(key.strip(), candidate) for candidate in self.api_keys]
+        return any(matches)
+
+    def _too_large(self) -> PayloadTooLarge:
+        return PayloadTooLarge(f"request body larger than {self.max_body_bytes} bytes")
+
+    def _limited(self, receive: Receive) -> Receive:
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise BodyTooLarge(self.max_body_bytes)
+            return message
+
+        return limited_receive
+
+    async def _reject(self, error: ServiceError, scope: Scope, receive: Receive, send: Send) -> None:
+        await error_response(error)(scope, receive, send)
+
+
+def install_middleware(app: FastAPI, settings: Settings) -> None:
+    app.add_middleware(GuardMiddleware, api_keys=settings.api_key_list, max_body_bytes=settings.max_request_bytes)

@@ -1,0 +1,141 @@
+"""Request and response bodies of the HTTP API."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.loop.records import EpisodeStatus
+
+BATCH_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+MAX_TURNS_LIMIT = 1000
+
+
+class SamplingParams(BaseModel):
+    """SGLang sampling parameters of every turn; unknown names are refused, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(default=1024, ge=1, le=1_000_000, description="Per turn.")
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1, description="-1: off.")
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    min_new_tokens: int = Field(default=0, ge=0)
+
+    def to_sglang(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class SubmitEpisodes(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    batch_id: str | None = Field(
+        default=None,
+        pattern=BATCH_ID_PATTERN,
+        description="Idempotency key; generated if absent. The same batch_id with the same body "
+        "answers the same episodes; with another body, 409.",
+    )
+    env: str = Field(description="An environment name from GET /envs.")
+    task_split: str = Field(default="test", description="A split of that environment.")
+    task_indices: list[int] = Field(min_length=1, description="Tasks to run; each is one group.")
+    samples_per_task: int = Field(default=1, ge=1, le=1024, description="Episodes per task (a GRPO group).")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    max_turns: int = Field(default=30, ge=1, le=MAX_TURNS_LIMIT, description="Generate calls per episode.")
+    max_response_tokens: int | None = Field(
+        default=None, ge=1, description="Budget of response tokens (sampled and context) per episode."
+    )
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Echoed back with the batch.")
+
+
+class SubmitAccepted(BaseModel):
+    batch_id: str
+    episode_ids: list[str] = Field(description="Ordered by task (group), then sample.")
+    created: bool = Field(description="False when this was an idempotent resubmission.")
+
+
+class TurnOut(BaseModel):
+    turn: int
+    weight_version: str | None
+    finish_reason: dict[str, Any]
+    output_tokens: int
+    engine_seconds: float
+    env_seconds: float
+    action: str | None
+
+
+class EpisodeSummary(BaseModel):
+    id: str
+    status: EpisodeStatus
+    reward: float | None
+    group_index: int
+    sample_index: int
+    task_index: int
+    attempt: int
+    num_turns: int | None
+    prompt_length: int | None
+    response_length: int | None
+    error: str | None
+
+
+class EpisodeDetail(EpisodeSummary):
+    batch_id: str
+    env: str
+    task_split: str
+    sampling_params: dict[str, Any]
+    max_turns: int
+    prompt_ids: list[int] | None
+    response_ids: list[int] | None
+    loss_mask: list[int] | None
+    rollout_logprobs: list[float] | None
+    messages: list[dict[str, Any]] | None
+    info: dict[str, Any] | None
+    weight_versions: list[str | None]
+    finish_reasons: list[dict[str, Any]]
+    turns: list[TurnOut]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class BatchOut(BaseModel):
+    batch_id: str
+    env: str
+    task_split: str
+    metadata: dict[str, Any]
+    created_at: datetime
+    counts: dict[str, int] = Field(description="Episodes per status.")
+    total: int
+    finished: int
+    complete: bool = Field(description="Every episode has a final status.")
+    groups_total: int
+    groups_complete: int
+    episodes: list[EpisodeSummary] = Field(
+        description="Episodes of complete groups only: a group arrives whole, once all its samples ended."
+    )
+
+
+class EnvOut(BaseModel):
+    name: str
+    description: str
+    splits: dict[str, int] = Field(description="Split name -> number of tasks.")
+
+
+class HealthOut(BaseModel):
+    status: str
+    database: str
+
+
+class ReadyOut(BaseModel):
+    ready: bool
+    database: str
+    engine: str

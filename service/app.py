@@ -1,0 +1,125 @@
+"""The application: `create_app(settings)`, with a lifespan that owns every shared resource."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from service.api import batches, envs, episodes, health
+from service.api.errors import install_error_handlers
+from service.api.middleware import install_middleware
+from service.app_state import Services
+from service.config import Settings
+from service.engine.client import SGLangClient
+from service.envs.base import UserSimConfig
+from service.envs.host import EnvHost
+from service.envs.registry import available_envs
+from service.loop.records import EpisodeResult
+from service.loop.runner import EpisodeRunner
+from service.loop.tokens import ChatTokenizer
+from service.loop.toolcalls import get_parser
+from service.metrics import Metrics
+from service.storage.db import Database
+from service.storage.queue import ClaimedEpisode
+from service.worker.worker import EpisodeWorker
+
+logger = logging.getLogger(__name__)
+
+
+def load_chat_tokenizer(settings: Settings) -> ChatTokenizer:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
+    return ChatTokenizer(
+        tokenizer,
+        tool_instruction=settings.tool_instruction,
+        template_tool_instruction=settings.template_tool_instruction,
+    )
+
+
+def user_sim_config(settings: Settings) -> UserSimConfig:
+    return UserSimConfig(
+        base_url=settings.user_sim_base_url,
+        model=settings.user_sim_model,
+        api_key=settings.user_sim_api_key,
+        temperature=settings.user_sim_temperature,
+        seed=settings.user_sim_seed,
+    )
+
+
+@asynccontextmanager
+async def lifespan(settings: Settings, metrics: Metrics) -> AsyncIterator[dict[str, Services]]:
+    if not settings.api_key_list:
+        logger.warning("API_KEYS is not set: the API accepts requests from anyone who can reach it")
+    database = Database.open(settings.database_url)
+    http = httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.engine_timeout_seconds, connect=10.0),
+        limits=httpx.Limits(max_connections=settings.max_inflight_generates, max_keepalive_connections=256),
+    )
+    engine = SGLangClient(
+        http,
+        settings.sglang_url,
+        max_inflight=settings.max_inflight_generates,
+        retries=settings.engine_retries,
+        backoff_seconds=settings.engine_backoff_seconds,
+        timeout_seconds=settings.engine_timeout_seconds,
+        worker_urls=settings.worker_url_list,
+    )
+    services = Services(
+        settings=settings,
+        database=database,
+        http=http,
+        engine=engine,
+        envs=available_envs(),
+        metrics=metrics,
+        batch_finished=asyncio.Condition(),
+    )
+    try:
+        if settings.run_worker:
+            chat = await asyncio.to_thread(load_chat_tokenizer, settings)
+            services.env_host = EnvHost(settings.env_workers, settings.env_executor, user_sim_config(settings))
+            runner = EpisodeRunner(engine, services.env_host, chat, get_parser(settings.tool_call_format))
+
+            def episode_stored(claim: ClaimedEpisode, result: EpisodeResult) -> None:
+                services.metrics.episode_finished(result)
+                _notify(services.batch_finished)
+
+            services.worker = EpisodeWorker(settings, database.sessionmaker, runner, on_finished=episode_stored)
+            services.worker.start()
+        yield {"services": services}
+    finally:
+        if services.worker is not None:
+            await services.worker.stop()
+        if services.env_host is not None:
+            await services.env_host.close()
+        await http.aclose()
+        await database.dispose()
+
+
+def _notify(condition: asyncio.Condition) -> None:
+    async def notify() -> None:
+        async with condition:
+            condition.notify_all()
+
+    asyncio.get_running_loop().create_task(notify())
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+    app = FastAPI(
+        title="Rollout service",
+        version="0.1.0",
+        summary="Durable multi-turn agent rollouts against SGLang, with exact token data for RL trainers.",
+        lifespan=lambda app: lifespan(settings, metrics),
+    )
+    install_error_handlers(app)
+    install_middleware(app, settings)
+    for module in (episodes, batches, envs, health):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,31 @@
+"""The resources one app owns, built by its lifespan and handed to the routes."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+
+from service.config import Settings
+from service.engine.client import SGLangClient
+from service.envs.base import EnvSpec
+from service.envs.host import EnvHost
+from service.metrics import Metrics
+from service.storage.db import Database
+from service.worker.worker import EpisodeWorker
+
+
+@dataclass
+class Services:
+    """What the lifespan builds and the routes use; one per app."""
+
+    settings: Settings
+    database: Database
+    http: httpx.AsyncClient
+    engine: SGLangClient
+    envs: dict[str, EnvSpec]
+    metrics: Metrics
+    batch_finished: asyncio.Condition  # notified whenever this process stores a result
+    worker: EpisodeWorker | None = None
+    env_host: EnvHost | None = None

@@ -1,0 +1,71 @@
+"""Prometheus metrics, in a registry of the app's own (several apps may live in one process)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_MEDIA_TYPE
+
+from service.loop.records import EpisodeResult, EpisodeStatus
+from service.storage.batches import status_counts
+
+if TYPE_CHECKING:
+    from service.app_state import Services
+
+LATENCY_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+__all__ = ["PROMETHEUS_MEDIA_TYPE", "Metrics"]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.submitted = Counter("rollout_episodes_submitted", "Episodes accepted by POST /episodes.", registry=registry)
+        self.finished = Counter(
+            "rollout_episodes_finished", "Episodes this process finished, by status.", ["status"], registry=registry
+        )
+        self.turns = Counter("rollout_turns", "Generate calls of finished episodes.", registry=registry)
+        self.tokens = Counter(
+            "rollout_tokens", "Tokens of finished episodes: prompt, sampled, context.", ["kind"], registry=registry
+        )
+        self.engine_seconds = Histogram(
+            "rollout_engine_seconds", "Duration of one /generate call.", buckets=LATENCY_BUCKETS_SECONDS,
+            registry=registry,
+        )  # fmt: skip
+        self.env_seconds = Histogram(
+            "rollout_env_seconds", "Duration of one environment step.", buckets=LATENCY_BUCKETS_SECONDS,
+            registry=registry,
+        )  # fmt: skip
+        self.episodes = Gauge("rollout_episodes", "Episodes in the database, by status.", ["status"], registry=registry)
+        self.queue_depth = Gauge("rollout_queue_depth", "Episodes waiting to be claimed.", registry=registry)
+        self.inflight_episodes = Gauge("rollout_inflight_episodes", "Episodes running here.", registry=registry)
+        self.inflight_generates = Gauge("rollout_inflight_generates", "/generate calls in flight.", registry=registry)
+        for status in EpisodeStatus:
+            self.finished.labels(status.value)
+
+    def episodes_submitted(self, count: int) -> None:
+        self.submitted.inc(count)
+
+    def episode_finished(self, result: EpisodeResult) -> None:
+        self.finished.labels(result.status.value).inc()
+        self.turns.inc(len(result.turns))
+        sampled = sum(result.loss_mask)
+        self.tokens.labels("prompt").inc(len(result.prompt_ids))
+        self.tokens.labels("sampled").inc(sampled)
+        self.tokens.labels("context").inc(len(result.response_ids) - sampled)
+        for turn in result.turns:
+            self.engine_seconds.observe(turn.engine_seconds)
+            if turn.action is not None:
+                self.env_seconds.observe(turn.env_seconds)
+
+    async def render(self, services: Services) -> bytes:
+        async with services.database.sessionmaker() as session:
+            counts = await status_counts(session)
+        for status, count in counts.items():
+            self.episodes.labels(status).set(count)
+        self.queue_depth.set(counts.get(EpisodeStatus.QUEUED.value, 0))
+        self.inflight_episodes.set(len(services.worker.running) if services.worker else 0)
+        self.inflight_generates.set(services.engine.inflight)
+        return generate_latest(self.registry)

@@ -1,0 +1,190 @@
+"""Runs queued episodes in this process: claims them, keeps their leases, stores their results.
+
+Several processes may share one database: claims are disjoint (SKIP LOCKED), a result is written
+only under the lease it was run with, and a lease that is not renewed (the process died) expires
+and the episode is re-queued with attempt + 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from service.config import Settings
+from service.loop.records import EpisodeResult, EpisodeSpec, EpisodeStatus
+from service.loop.runner import EpisodeRunner
+from service.storage import queue
+from service.storage.queue import ClaimedEpisode, EpisodeOutcome
+
+logger = logging.getLogger(__name__)
+
+FinishedHook = Callable[[ClaimedEpisode, EpisodeResult], None]
+
+
+@dataclass
+class _Running:
+    claim: ClaimedEpisode
+    task: asyncio.Task[None]
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class EpisodeWorker:
+    def __init__(
+        self,
+        settings: Settings,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        runner: EpisodeRunner,
+        *,
+        on_finished: FinishedHook | None = None,
+        worker_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.sessionmaker = sessionmaker
+        self.runner = runner
+        self.on_finished = on_finished
+        self.worker_id = worker_id or new_worker_id()
+        self.running: dict[str, _Running] = {}
+        self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._loops: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._loops = [
+            asyncio.create_task(self._claim_loop(), name="claim"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._sweep_loop(), name="sweep"),
+        ]
+        logger.info("worker %s started", self.worker_id)
+
+    def wake(self) -> None:
+        """New work was enqueued: claim now instead of at the next poll."""
+        self._wake.set()
+
+    async def stop(self, timeout: float | None = None) -> None:
+        """Stops claiming; lets in-flight episodes finish for `timeout` seconds, then cancels and
+        releases the rest (their leases go back to the queue for another process)."""
+        timeout = self.settings.shutdown_timeout_seconds if timeout is None else timeout
+        self._stopping.set()
+        self._wake.set()
+        claim_loop = self._loops[0] if self._loops else None
+        if claim_loop is not None:
+            await asyncio.gather(claim_loop, return_exceptions=True)
+        tasks = [running.task for running in self.running.values()]
+        if tasks:
+            logger.info("draining %d in-flight episodes for up to %.0f s", len(tasks), timeout)
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for loop in self._loops[1:]:
+            loop.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        released = await queue.release_episodes(self.sessionmaker, self.worker_id)
+        if released:
+            logger.info("released %d unfinished episodes back to the queue", released)
+
+    async def _claim_loop(self) -> None:
+        while not self._stopping.is_set():
+            capacity = self.settings.max_running_episodes - len(self.running)
+            claimed: list[ClaimedEpisode] = []
+            if capacity > 0:
+                try:
+                    claimed = await queue.claim_episodes(
+                        self.sessionmaker, self.worker_id, min(capacity, 256), self.settings.lease_seconds
+                    )
+                except Exception:  # the database may be briefly unreachable; keep the worker alive
+                    logger.exception("claiming episodes failed; retrying")
+            for claim in claimed:
+                task = asyncio.create_task(self._run(claim), name=f"episode {claim.id}")
+                self.running[claim.id] = _Running(claim, task)
+            if claimed and len(claimed) == min(capacity, 256):
+                continue  # more may be waiting
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.settings.claim_interval_seconds)
+            except TimeoutError:
+                pass
+
+    async def _run(self, claim: ClaimedEpisode) -> None:
+        spec = EpisodeSpec(
+            episode_id=claim.id,
+            attempt=claim.attempt,
+            env=claim.env,
+            task_split=claim.task_split,
+            task_index=claim.task_index,
+            sampling_params=claim.sampling_params,
+            max_turns=claim.max_turns,
+            max_response_tokens=claim.max_response_tokens,
+        )
+        try:
+            result = await self.runner.run(spec)
+            # The result write must not be cut in half by a cancellation (shutdown, lost lease).
+            stored = await asyncio.shield(self._store(claim, result))
+            if stored and self.on_finished is not None:
+                self.on_finished(claim, result)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a bug in the loop must end this episode, not the worker
+            logger.exception("episode %s crashed", claim.id)
+            failed = EpisodeResult(EpisodeStatus.FAILED, None, [], [], [], [], [], {}, error=repr(error))
+            await asyncio.shield(self._store(claim, failed))
+        finally:
+            self.running.pop(claim.id, None)
+
+    async def _store(self, claim: ClaimedEpisode, result: EpisodeResult) -> bool:
+        outcome = EpisodeOutcome(
+            status=result.status.value,
+            reward=result.reward,
+            prompt_ids=result.prompt_ids,
+            response_ids=result.response_ids,
+            loss_mask=result.loss_mask,
+            rollout_logprobs=result.logprobs,
+            messages=result.messages,
+            info=result.info,
+            turns=[turn.to_json() for turn in result.turns],
+            error=result.error,
+            num_turns=len(result.turns),
+        )
+        stored = await queue.finish_episode(self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome)
+        if not stored:
+            logger.warning("episode %s attempt %d lost its lease; result discarded", claim.id, claim.attempt)
+        return stored
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.settings.lease_seconds / 3
+        while True:
+            await asyncio.sleep(interval)
+            ids = list(self.running)
+            if not ids:
+                continue
+            try:
+                renewed = await queue.renew_leases(self.sessionmaker, self.worker_id, ids, self.settings.lease_seconds)
+            except Exception:
+                logger.exception("renewing leases failed; retrying")
+                continue
+            for episode_id in set(ids) - renewed:
+                running = self.running.get(episode_id)
+                if running is not None and not running.task.done():
+                    logger.warning("lost the lease of episode %s; another worker re-runs it", episode_id)
+                    running.task.cancel()
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                count = await queue.requeue_expired(self.sessionmaker, self.settings.max_attempts)
+                if count:
+                    logger.info("re-queued %d episodes whose lease expired", count)
+                    self.wake()
+            except Exception:
+                logger.exception("sweeping expired leases failed; retrying")
+            await asyncio.sleep(self.settings.sweep_interval_seconds)

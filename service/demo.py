@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import io
-import socket
 import sys
 import time
 from statistics import mean
 
 import httpx
 import pyarrow as pa
-import uvicorn
 
 from service.app import create_app
 from service.config import Settings
 from service.engine.sim import SimConfig, create_sim_app, serve_in_thread
+from service.serving import serve_app
 from service.storage.db import run_migrations
 
 ENV = "builtin/shop"
@@ -30,19 +29,6 @@ def _bar(done: int, total: int, counts: dict[str, int], elapsed: float) -> str:
     filled = PROGRESS_WIDTH * done // max(total, 1)
     statuses = " ".join(f"{status} {count}" for status, count in counts.items() if count)
     return f"\r[{'#' * filled}{'.' * (PROGRESS_WIDTH - filled)}] {done}/{total}  {elapsed:5.1f}s  {statuses}"
-
-
-async def _serve_service(settings: Settings) -> tuple[uvicorn.Server, str, asyncio.Task[None]]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(create_app(settings), log_level="warning", log_config=None, ws="none")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.05)
-    return server, f"http://127.0.0.1:{sock.getsockname()[1]}", task
 
 
 def summarize(table: pa.Table, counts: dict[str, int], elapsed: float) -> str:
@@ -68,40 +54,35 @@ def summarize(table: pa.Table, counts: dict[str, int], elapsed: float) -> str:
 
 
 async def _run(settings: Settings, tasks: int, samples: int) -> int:
-    server, url, serving = await _serve_service(settings)
-    try:
-        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            body = {
-                "env": ENV,
-                "task_split": "test",
-                "task_indices": list(range(tasks)),
-                "samples_per_task": samples,
-                "sampling_params": {"temperature": 1.0, "max_new_tokens": 256},
-                "max_turns": 12,
-                "metadata": {"source": "python -m service demo"},
-            }
-            response = await client.post("/episodes", json=body)
-            response.raise_for_status()
-            batch_id = response.json()["batch_id"]
-            print(f"submitted batch {batch_id}: {tasks} tasks x {samples} samples of {ENV}")
-            started = time.monotonic()
-            while True:
-                batch = (await client.get(f"/batches/{batch_id}", params={"wait": 0.5})).json()
-                elapsed = time.monotonic() - started
-                sys.stdout.write(_bar(batch["finished"], batch["total"], batch["counts"], elapsed))
-                sys.stdout.flush()
-                if batch["complete"]:
-                    break
-            arrow = await client.get(
-                f"/batches/{batch_id}", headers={"Accept": "application/vnd.apache.arrow.stream"}
-            )
-            table = pa.ipc.open_stream(io.BytesIO(arrow.content)).read_all()
-            print(summarize(table, batch["counts"], elapsed))
-            print(f"pulled     {table.num_rows} rows as Arrow ({len(arrow.content) / 1e6:.2f} MB) from {url}")
-            return 0 if batch["counts"]["failed"] == 0 else 1
-    finally:
-        server.should_exit = True
-        await serving
+    async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+        body = {
+            "env": ENV,
+            "task_split": "test",
+            "task_indices": list(range(tasks)),
+            "samples_per_task": samples,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 256},
+            "max_turns": 12,
+            "metadata": {"source": "python -m service demo"},
+        }
+        response = await client.post("/episodes", json=body)
+        response.raise_for_status()
+        batch_id = response.json()["batch_id"]
+        print(f"submitted batch {batch_id}: {tasks} tasks x {samples} samples of {ENV}")
+        started = time.monotonic()
+        while True:
+            batch = (await client.get(f"/batches/{batch_id}", params={"wait": 0.5})).json()
+            elapsed = time.monotonic() - started
+            sys.stdout.write(_bar(batch["finished"], batch["total"], batch["counts"], elapsed))
+            sys.stdout.flush()
+            if batch["complete"]:
+                break
+        arrow = await client.get(
+            f"/batches/{batch_id}", headers={"Accept": "application/vnd.apache.arrow.stream"}
+        )
+        table = pa.ipc.open_stream(io.BytesIO(arrow.content)).read_all()
+        print(summarize(table, batch["counts"], elapsed))
+        print(f"pulled     {table.num_rows} rows as Arrow ({len(arrow.content) / 1e6:.2f} MB) from {url}")
+        return 0 if batch["counts"]["failed"] == 0 else 1
 
 
 def run_demo(*, database_url: str, tasks: int, samples: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from itertools import cycle, islice
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from service.envs.base import Action, Reset, Step
 from service.loop.records import EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.loop.runner import EpisodeRunner
 from service.loop.toolcalls import get_parser
+from tests.contract import GenerateCall, assert_trainer_contract
 from tests.tokenizer_helpers import chat_tokenizer, noncanonical_ids, load_test_tokenizer
 
 IM_END = "<|im_end|>"
@@ -139,29 +141,14 @@ def run_episode(
 
 
 def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
-    prompt, response, mask, logprobs = result.prompt_ids, result.response_ids, result.loss_mask, result.logprobs
-    # 1. Equal lengths.
-    assert len(response) == len(mask) == len(logprobs)
-    # 2. Every call's input is P + R[:o]; its output is R[o:o+n] exactly, mask 1, its logprobs.
-    sampled = [False] * len(response)
-    for input_ids, generation in engine.calls:
-        assert input_ids[: len(prompt)] == prompt
-        offset, count = len(input_ids) - len(prompt), len(generation.output_ids)
-        assert input_ids[len(prompt) :] == response[:offset]
-        assert response[offset : offset + count] == generation.output_ids
-        assert mask[offset : offset + count] == [1] * count
-        assert logprobs[offset : offset + count] == generation.logprobs
-        sampled[offset : offset + count] = [True] * count
-    # 3. Everything else: mask 0, logprob 0.0.
-    for position, was_sampled in enumerate(sampled):
-        if not was_sampled:
-            assert mask[position] == 0 and logprobs[position] == 0.0
+    calls = [GenerateCall(ids, g.output_ids, g.logprobs) for ids, g in engine.calls]
+    assert_trainer_contract(result.prompt_ids, result.response_ids, result.loss_mask, result.logprobs, calls)
     # 4. P + R is the transcript as the model is fed it: one full render of the messages, and the
     # tokens of every turn boundary are present (header after each env message, close after each turn).
     chat = chat_tokenizer()
     ends_on_assistant = result.messages[-1]["role"] == "assistant"
     expected = chat.render(result.messages, tools=[TOOL_SCHEMA], add_generation_prompt=not ends_on_assistant)
-    assert chat.decode(prompt + response) == expected
+    assert chat.decode(result.prompt_ids + result.response_ids) == expected
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -175,8 +162,8 @@ def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
 def test_invariants_hold_for_any_conversation(
     system: str, first: str, turns: list[PlannedTurn], done_at: int, max_turns: int
 ) -> None:
-    turns = turns + turns[: max(0, max_turns - len(turns))]  # enough planned turns for the limit
-    result, engine = run_episode(system, first, turns[:max_turns], done_at, max_turns)
+    turns = list(islice(cycle(turns), max_turns))  # a planned turn for every turn the limit allows
+    result, engine = run_episode(system, first, turns, done_at, max_turns)
     check_invariants(result, engine)
     last = engine.calls[-1][1]
     assert len(engine.calls) == len(result.turns)

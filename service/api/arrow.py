@@ -30,7 +30,7 @@ ARROW_SCHEMA = pa.schema(
         ("prompt_ids", pa.list_(pa.int32())),
         ("response_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.uint8())),
-        ("rollout_logprobs", pa.list_(pa.float32())),
+        ("rollout_logprobs", pa.list_(pa.float64())),
         ("weight_versions", pa.list_(pa.string())),
         ("finish_reasons", pa.list_(pa.string())),
         ("error", pa.string()),
@@ -64,7 +64,7 @@ def episodes_to_arrow(episodes: Sequence[Episode]) -> bytes:
         _list_column([episode.prompt_ids for episode in episodes], pa.int32(), 4),
         _list_column([episode.response_ids for episode in episodes], pa.int32(), 4),
         _list_column([episode.loss_mask for episode in episodes], pa.uint8(), 1),
-        _list_column([episode.rollout_logprobs for episode in episodes], pa.float32(), 4),
+        _list_column([episode.rollout_logprobs for episode in episodes], pa.float64(), 8),
         pa.array([[turn.get("weight_version") for turn in rows] for rows in turns], pa.list_(pa.string())),
         pa.array(
             [[(turn.get("finish_reason") or {}).get("type") for turn in rows] for rows in turns],

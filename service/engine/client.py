@@ -1,0 +1,320 @@
+"""The SGLang client: native `/generate` with token ids in and token ids plus logprobs out.
+
+Speaks docs/sglang.md: requests carry only fields the router keeps, responses are parsed
+defensively, and control calls (abort) go to every worker because the router does not proxy them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+FINISH_TYPES = frozenset({"stop", "length", "abort"})
+# HTTP statuses worth another try: the server or the router is overloaded or restarting.
+RETRYABLE_STATUS = frozenset({408, 429})
+CONTROL_TIMEOUT_SECONDS = 10.0
+
+
+class EngineError(Exception):
+    """A failed engine call. `retryable`: the same request may succeed later (the episode may be retried)."""
+
+    def __init__(self, message: str, *, retryable: bool, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = retryable
+        self.status_code = status_code
+
+
+class EngineRequestError(EngineError):
+    """SGLang refused the request (HTTP 4xx, e.g. input longer than the context): never retried."""
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message, retryable=False, status_code=status_code)
+
+
+class EngineUnavailableError(EngineError):
+    """Connection errors, timeouts or 5xx persisted through every retry."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message, retryable=True, status_code=status_code)
+
+
+class EngineResponseError(EngineError):
+    """SGLang answered 200 with a body this client cannot use (e.g. ids and logprobs of different lengths)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False, status_code=None)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One `/generate` result, as SGLang sampled it."""
+
+    output_ids: list[int]
+    logprobs: list[float]  # one per output id; 0.0 each only when SGLang sent no logprobs
+    finish_type: str  # "stop" | "length" | "abort"
+    finish_reason: dict[str, Any]  # as SGLang sent it
+    weight_version: str | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    text: str  # SGLang's detokenized text, for reference only: the ids are the truth
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A retryable failure of one generate attempt."""
+
+    reason: str
+    status_code: int | None = None
+    may_be_running: bool = False  # the request may have reached the engine (timeout, dropped connection)
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip() or f"HTTP {response.status_code}"
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        for key in ("message", "detail", "error"):
+            if isinstance(body.get(key), str):
+                return str(body[key])
+    return response.text.strip()
+
+
+def _optional_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _token_id(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EngineResponseError(f"token id is not an int: {value!r}")
+    return value
+
+
+def _logprob(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise EngineResponseError(f"logprob is not a number: {value!r}")
+    return float(value)
+
+
+def parse_generation(body: Any) -> Generation:
+    """Parses one non-streaming `/generate` response body; raises EngineResponseError if unusable."""
+    if not isinstance(body, dict):
+        raise EngineResponseError(f"expected a JSON object, got {type(body).__name__}")
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise EngineResponseError("response has no meta_info object")
+
+    finish_reason = meta.get("finish_reason")
+    if isinstance(finish_reason, str):  # some builds and the OpenAI API send the bare type
+        finish_reason = {"type": finish_reason}
+    if not isinstance(finish_reason, dict) or not isinstance(finish_reason.get("type"), str):
+        raise EngineResponseError(f"response has no finish_reason type: {finish_reason!r}")
+    finish_type = finish_reason["type"]
+    if finish_type not in FINISH_TYPES:
+        logger.warning("unknown finish_reason type %r treated as abort", finish_type)
+        finish_type = "abort"
+
+    raw_ids = body.get("output_ids")
+    output_ids = None if raw_ids is None else [_token_id(token) for token in _list(raw_ids, "output_ids")]
+    token_logprobs = meta.get("output_token_logprobs")
+    if token_logprobs is not None:
+        # slime's reading: [logprob, token_id, text_or_null] per output token.
+        items = _list(token_logprobs, "output_token_logprobs")
+        pairs = [_list(item, "output_token_logprobs item") for item in items]
+        if any(len(pair) < 2 for pair in pairs):
+            raise EngineResponseError("an output_token_logprobs item has fewer than 2 fields")
+        logprob_ids = [_token_id(pair[1]) for pair in pairs]
+        logprobs = [_logprob(pair[0]) for pair in pairs]
+        if output_ids is not None and output_ids != logprob_ids:
+            logger.warning(
+                "output_ids (%d) disagree with output_token_logprobs (%d) of %s; using the latter",
+                len(output_ids),
+                len(logprob_ids),
+                meta.get("id"),
+            )
+        output_ids = logprob_ids
+    elif output_ids is not None:
+        logprobs = [0.0] * len(output_ids)
+    elif finish_type == "abort":  # aborted before the first token
+        output_ids, logprobs = [], []
+    else:
+        raise EngineResponseError("response has neither output_ids nor output_token_logprobs")
+    if len(logprobs) != len(output_ids):
+        raise EngineResponseError(f"{len(output_ids)} output ids but {len(logprobs)} logprobs")
+
+    weight_version = meta.get("weight_version")
+    text = body.get("text")
+    return Generation(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_type=finish_type,
+        finish_reason=finish_reason,
+        weight_version=None if weight_version is None else str(weight_version),
+        prompt_tokens=_optional_int(meta.get("prompt_tokens")),
+        cached_tokens=_optional_int(meta.get("cached_tokens")),
+        text=text if isinstance(text, str) else "",
+    )
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise EngineResponseError(f"{what} is not a list: {type(value).__name__}")
+    return value
+
+
+class SGLangClient:
+    """Calls one SGLang worker or the SGLang router, on one shared `httpx.AsyncClient`."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        base_url: str,
+        *,
+        max_inflight: int,
+        retries: int,
+        backoff_seconds: float,
+        timeout_seconds: float,
+        worker_urls: list[str] | None = None,
+    ) -> None:
+        self._http = http
+        self.base_url = base_url.rstrip("/")
+        self._inflight = asyncio.BoundedSemaphore(max_inflight)
+        self._retries = retries
+        self._backoff_seconds = backoff_seconds
+        self._timeout_seconds = timeout_seconds
+        self._worker_urls = [url.rstrip("/") for url in worker_urls or []]
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> Generation:
+        """One generation from exactly `input_ids`. Retries transient failures with exponential backoff."""
+        url = f"{self.base_url}/generate"
+        attempt = 0
+        attempt_rid = rid
+        while True:
+            # Only fields the router's typed schema keeps: anything else would be dropped on the way.
+            payload = {
+                "input_ids": input_ids,
+                "sampling_params": sampling_params,
+                "return_logprob": True,
+                "rid": attempt_rid,
+            }
+            result = await self._post_generate(url, payload)
+            if isinstance(result, Generation):
+                return result
+            if result.may_be_running:
+                await self.abort(attempt_rid)  # free the engine's slot before asking again
+                # The abort may land after the retry: a new rid cannot collide with the old request.
+                # The suffix keeps the rid's prefix, so aborting the episode's prefix still reaches it.
+                attempt_rid = f"{rid}.retry{attempt + 1}"
+            if attempt >= self._retries:
+                raise EngineUnavailableError(
+                    f"generate {rid} failed after {attempt + 1} attempts: {result.reason}",
+                    status_code=result.status_code,
+                )
+            delay = self._backoff_seconds * 2**attempt
+            logger.info("generate %s: %s; retry %d in %.2fs", rid, result.reason, attempt + 1, delay)
+            attempt += 1
+            await asyncio.sleep(delay)
+
+    async def _post_generate(self, url: str, payload: dict[str, Any]) -> Generation | _Failure:
+        """One attempt: the Generation, or a retryable failure."""
+        async with self._inflight:
+            try:
+                response = await self._http.post(url, json=payload, timeout=self._timeout_seconds)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+                return _Failure(f"{type(error).__name__}: {error}")
+            except httpx.TransportError as error:  # read timeouts, dropped connections
+                return _Failure(f"{type(error).__name__}: {error}", may_be_running=True)
+        status = response.status_code
+        if status >= 500 or status in RETRYABLE_STATUS:
+            return _Failure(f"HTTP {status}: {_error_message(response)}", status_code=status)
+        if status >= 400:
+            raise EngineRequestError(_error_message(response), status)
+        try:
+            body = response.json()
+        except ValueError as error:
+            raise EngineResponseError(f"response is not JSON: {error}") from error
+        return parse_generation(body)
+
+    async def abort(self, rid: str) -> None:
+        """Aborts `rid` (and every rid it prefixes) on each worker; the router does not proxy aborts."""
+        urls = await self.workers()
+        results = await asyncio.gather(
+            *(self._control_post(f"{url}/abort_request", {"rid": rid, "abort_all": False}) for url in urls)
+        )
+        for url, problem in zip(urls, results, strict=True):
+            if problem is not None:
+                logger.warning("abort %s at %s: %s", rid, url, problem)
+
+    async def _control_post(self, url: str, body: dict[str, Any]) -> str | None:
+        try:
+            response = await self._http.post(url, json=body, timeout=CONTROL_TIMEOUT_SECONDS)
+        except httpx.TransportError as error:
+            return f"{type(error).__name__}: {error}"
+        if response.is_error:
+            return f"HTTP {response.status_code}: {_error_message(response)}"
+        return None
+
+    async def workers(self) -> list[str]:
+        """Worker URLs for control calls: the configured list, else the router's, else the base URL."""
+        if self._worker_urls:
+            return list(self._worker_urls)
+        try:
+            response = await self._http.get(f"{self.base_url}/workers", timeout=CONTROL_TIMEOUT_SECONDS)
+        except httpx.TransportError as error:
+            logger.warning("GET %s/workers: %s; using the base URL", self.base_url, error)
+            return [self.base_url]
+        if response.status_code != 200:  # a plain worker has no /workers
+            return [self.base_url]
+        try:
+            urls = _worker_list(response.json())
+        except ValueError:
+            urls = []
+        return urls or [self.base_url]
+
+    async def health(self) -> bool:
+        try:
+            response = await self._http.get(f"{self.base_url}/health", timeout=CONTROL_TIMEOUT_SECONDS)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    async def model_info(self) -> dict[str, Any]:
+        url = f"{self.base_url}/get_model_info"
+        try:
+            response = await self._http.get(url, timeout=CONTROL_TIMEOUT_SECONDS)
+        except httpx.TransportError as error:
+            raise EngineUnavailableError(f"GET {url}: {type(error).__name__}: {error}") from error
+        if response.is_error:
+            status = response.status_code
+            message = f"GET {url}: HTTP {status}: {_error_message(response)}"
+            raise EngineError(message, retryable=status >= 500, status_code=status)
+        try:
+            body = response.json()
+        except ValueError as error:
+            raise EngineResponseError(f"GET {url}: not JSON: {error}") from error
+        if not isinstance(body, dict):
+            raise EngineResponseError(f"GET {url}: expected a JSON object")
+        return body
+
+
+def _worker_list(body: Any) -> list[str]:
+    """URLs from the router's GET /workers: `{"workers": [{"url": ...}, ...]}` or a list of URLs."""
+    entries = body.get("workers", body.get("urls")) if isinstance(body, dict) else body
+    if not isinstance(entries, list):
+        return []
+    urls = []
+    for entry in entries:
+        url = entry.get("url") if isinstance(entry, dict) else entry
+        if isinstance(url, str) and url:
+            urls.append(url.rstrip("/"))
+    return urls

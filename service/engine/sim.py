@@ -1,0 +1,645 @@
+"""A simulated SGLang worker: the protocol of docs/sglang.md, played by an oracle of `builtin/shop`.
+
+It decodes the ChatML prompt, plays the task's oracle plan (with seeded mistakes), and returns
+token ids the way real sampling does: not always the canonical tokenization of the text. Used by
+the demo, the tests and the benchmarks; `main()` serves it with uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from tokenizers import Tokenizer
+
+from service.config import TEST_TOKENIZER_DIR
+from service.envs.base import RESPOND_ACTION_NAME, Action
+from service.envs.builtin.shop import REASONS, oracle_plan, task_by_instruction
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TOOL_RESPONSE = "<tool_response>"
+UNKNOWN_REPLY = "Hello! I am a simulated assistant. How can I help you today?"
+AFTER_PLAN_REPLY = "Thank you for contacting us. Goodbye."
+RAMBLE_SENTENCE = "Let me think about this once more, step by step, to be completely sure. "
+WRONG_REASON = "changed my mind"  # not one of shop.REASONS: the tool refuses it
+PREFIX_CACHE_ENTRIES = 10_000
+SERVER_START_TIMEOUT_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    tokenizer_path: str = str(TEST_TOKENIZER_DIR)  # a HF tokenizer dir with tokenizer.json
+    model_path: str = "sim/shop-oracle"  # reported by /get_model_info and /v1/models
+    context_length: int = 32768  # longer inputs (or input + max_new_tokens) are refused with 400
+    latency_seconds: float = 0.02  # fixed time of every request (queueing + prefill)
+    per_token_latency_seconds: float = 0.0  # decode time per output token
+    # Per-episode mistake rates (an episode is "<episode_id>:<attempt>", the rid without its turn).
+    wrong_argument_rate: float = 0.12  # a write action with a wrong reason or address: reward 0
+    malformed_call_rate: float = 0.06  # broken JSON in one <tool_call>: the episode is aborted
+    ramble_rate: float = 0.08  # one turn is a long reply cut by max_new_tokens
+    noncanonical_rate: float = 0.05  # per token: sampled as two or more smaller tokens
+    include_stop_token: bool = True  # output_ids end with <|im_end|> on a stop (some builds omit it)
+    max_queued_requests: int | None = None  # more requests in flight than this: 503
+    weight_version: str = "default"
+    stream_interval: int = 8  # output tokens per SSE chunk
+    seed: int = 0  # mixed into every random choice
+    request_log_limit: int = 100_000  # oldest entries of SimWorker.requests are dropped beyond this
+
+
+class SimHTTPError(Exception):
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+
+
+@dataclass
+class SimRequest:
+    """What one POST /generate carried, and what it was answered (for tests and benchmarks)."""
+
+    body: dict[str, Any]
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    response_body: bytes | None = None
+
+
+@dataclass
+class _Running:
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    abort_message: str = ""
+
+
+def _json_bytes(value: Any) -> bytes:
+    # SGLang answers with orjson: compact and UTF-8.
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _error(status_code: int, message: str) -> Response:
+    return Response(_json_bytes({"error": {"message": message}}), status_code, media_type="application/json")
+
+
+# ---- the policy: pure functions of the prompt text and the episode seed ----
+
+
+def parse_chatml(text: str) -> list[tuple[str, str, bool]]:
+    """(role, content, closed) of each `<|im_start|>role\\n...<|im_end|>` message; the last may be open."""
+    messages = []
+    for block in text.split(IM_START)[1:]:
+        header, _, rest = block.partition("\n")
+        content, closed, _ = rest.partition(IM_END)
+        messages.append((header.strip(), content, bool(closed)))
+    return messages
+
+
+def episode_key(rid: str) -> str:
+    """The episode part of a rid "<episode_id>:<attempt>:<turn>" (the whole rid otherwise)."""
+    return rid.rsplit(":", 1)[0] if rid.count(":") >= 2 else rid
+
+
+def render_action(action: Action) -> str:
+    if action.name == RESPOND_ACTION_NAME:
+        return str(action.kwargs.get("content", ""))
+    call = json.dumps({"name": action.name, "arguments": action.kwargs})
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def _wrong_arguments(action: Action) -> Action:
+    kwargs = dict(action.kwargs)
+    if "reason" in kwargs:
+        kwargs["reason"] = WRONG_REASON if kwargs["reason"] in REASONS else REASONS[0]
+    if "address" in kwargs:
+        number, _, street = str(kwargs["address"]).partition(" ")
+        kwargs["address"] = f"{int(number) + 1 if number.isdigit() else 1} {street}"
+    return Action(action.name, kwargs)
+
+
+def policy_reply(prompt_text: str, key: str, config: SimConfig) -> tuple[str, bool]:
+    """The assistant's next text for this prompt, and whether it rambles (to be cut by max_new_tokens)."""
+    messages = parse_chatml(prompt_text)
+    first_user = next((content for role, content, _ in messages if role == "user"), None)
+    task = task_by_instruction().get(first_user) if first_user is not None else None
+    if task is None:
+        return UNKNOWN_REPLY, False
+    turn = sum(1 for role, _, closed in messages if role == "assistant" and closed)
+    plan = oracle_plan(task)
+    if turn >= len(plan):
+        return AFTER_PLAN_REPLY, False
+
+    # Every draw happens in the same order whatever the turn: the episode's mistakes are fixed.
+    rng = random.Random(f"{config.seed}:{key}:mistakes")
+    wrong = rng.random() < config.wrong_argument_rate
+    malformed = rng.random() < config.malformed_call_rate
+    tool_turns = [index for index, action in enumerate(plan) if action.name != RESPOND_ACTION_NAME]
+    malformed_turn = rng.choice(tool_turns) if tool_turns else -1
+    ramble = rng.random() < config.ramble_rate
+    ramble_turn = rng.randrange(len(plan))
+
+    if ramble and turn == ramble_turn:
+        return RAMBLE_SENTENCE, True
+    action = plan[turn]
+    if wrong and turn > task.confirm_before:
+        action = _wrong_arguments(action)
+    text = render_action(action)
+    if malformed and turn == malformed_turn:
+        text = text.replace("}\n</tool_call>", "\n</tool_call>", 1)  # drops the closing brace
+    return text, False
+
+
+class SimTokens:
+    """Tokenizer work of the sim: canonical encodings, split into non-canonical pieces at random."""
+
+    def __init__(self, tokenizer_path: str) -> None:
+        path = Path(tokenizer_path)
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+        vocab = self.tokenizer.get_vocab(with_added_tokens=False)
+        added = self.tokenizer.get_added_tokens_decoder()
+        eos_id = self.tokenizer.token_to_id(IM_END)
+        if eos_id is None:
+            raise ValueError(f"{tokenizer_path} has no {IM_END} token")
+        self.eos_id: int = eos_id
+        self._vocab = {token: token_id for token, token_id in vocab.items() if token_id not in added}
+        self._pieces = {token_id: token for token, token_id in self._vocab.items()}
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def sample(self, text: str, rng: random.Random, noncanonical_rate: float) -> list[int]:
+        """Ids whose bytes are `text`: canonical tokens, some split into smaller vocab pieces."""
+        ids: list[int] = []
+        for token_id in self.encode(text):
+            piece = self._pieces.get(token_id)  # None for added tokens: a model samples those whole
+            if piece is not None and len(piece) > 1 and rng.random() < noncanonical_rate:
+                ids.extend(self._vocab[part] for part in self._split(piece, rng))
+            else:
+                ids.append(token_id)
+        return ids
+
+    def _split(self, piece: str, rng: random.Random) -> list[str]:
+        # Byte-level BPE: each character of a piece is one byte, and every byte is in the vocab.
+        cut = rng.randint(1, len(piece) - 1)
+        parts = []
+        for part in (piece[:cut], piece[cut:]):
+            parts.extend([part] if part in self._vocab else self._split(part, rng))
+        return parts
+
+
+@dataclass
+class _Output:
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: dict[str, Any]
+
+
+def plan_output(
+    tokens: SimTokens, config: SimConfig, prompt_ids: list[int], sampling_params: dict[str, Any], rid: str
+) -> _Output:
+    """The full (not aborted) output of one request, deterministic in the rid's episode and the prompt."""
+    key = episode_key(rid)
+    text, ramble = policy_reply(tokens.decode(prompt_ids, skip_special_tokens=False), key, config)
+    max_new_tokens = int(sampling_params.get("max_new_tokens", 128))
+    rng = random.Random(f"{config.seed}:{key}:{len(prompt_ids)}:sample")
+    ids = tokens.sample(text, rng, config.noncanonical_rate)
+    while ramble and len(ids) <= max_new_tokens:
+        ids += tokens.sample(RAMBLE_SENTENCE, rng, config.noncanonical_rate)
+    ids.append(tokens.eos_id)
+    stop_ids = {int(token) for token in sampling_params.get("stop_token_ids") or []}
+    finish: dict[str, Any] = {"type": "stop", "matched": tokens.eos_id}
+    for index, token in enumerate(ids):
+        if token in stop_ids:
+            ids, finish = ids[: index + 1], {"type": "stop", "matched": token}
+            break
+    # SGLang checks the length before the stop token: a stop token at the limit reads "length".
+    if len(ids) >= max_new_tokens:
+        ids, finish = ids[:max_new_tokens], {"type": "length", "length": max_new_tokens}
+    elif not config.include_stop_token:
+        ids = ids[:-1]
+    logprobs = [-3.0 * rng.random() for _ in ids]
+    return _Output(ids, logprobs, finish)
+
+
+# ---- the worker ----
+
+
+class SimWorker:
+    """The state of one simulated worker: request log, running requests (for aborts), weight version."""
+
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self.tokens = SimTokens(self.config.tokenizer_path)
+        self.weight_version = self.config.weight_version
+        self.model_path = self.config.model_path
+        self.requests: list[SimRequest] = []
+        self.aborts: list[dict[str, Any]] = []
+        self.healthy = True
+        self.peak_running = 0  # most requests in flight at once
+        self._running: dict[str, _Running] = {}
+        self._failures: list[int] = []
+        self._prefix_cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._paused = False
+        self._resumed = asyncio.Event()
+
+    def fail_next(self, count: int, status_code: int = 503) -> None:
+        """The next `count` generate requests answer `status_code` (faults for retry tests)."""
+        self._failures.extend([status_code] * count)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def abort(self, rid: str, abort_all: bool = False, message: str = "Aborted by AbortReq.") -> int:
+        """Aborts running requests whose rid starts with `rid` (all with abort_all); returns how many."""
+        matched = [
+            running for key, running in self._running.items() if abort_all or (rid and key.startswith(rid))
+        ]
+        for running in matched:
+            running.abort_message = message
+            running.aborted.set()
+        return len(matched)
+
+    def pause(self, mode: str) -> None:
+        self._paused = True
+        self._resumed = asyncio.Event()
+        if mode == "abort":
+            self.abort("", abort_all=True, message="Aborted by pause_generation.")
+
+    def resume(self) -> None:
+        self._paused = False
+        self._resumed.set()
+
+    def flush_cache(self) -> None:
+        self._prefix_cache.clear()
+
+    def _validate(self, body: Any) -> tuple[list[int], dict[str, Any], str]:
+        if not isinstance(body, dict):
+            raise SimHTTPError(400, "The request body must be a JSON object.")
+        inputs = [key for key in ("text", "input_ids", "input_embeds") if body.get(key) is not None]
+        if len(inputs) != 1:
+            raise SimHTTPError(400, "Either text, input_ids or input_embeds should be provided.")
+        if inputs[0] == "input_embeds":
+            raise SimHTTPError(400, "input_embeds is not supported by the simulated worker.")
+        if inputs[0] == "text":
+            if not isinstance(body["text"], str):
+                raise SimHTTPError(400, "The simulated worker takes one text, not a batch.")
+            input_ids = self.tokens.encode(body["text"])
+        else:
+            input_ids = body["input_ids"]
+            if not isinstance(input_ids, list) or not all(
+                isinstance(token, int) and not isinstance(token, bool) for token in input_ids
+            ):
+                raise SimHTTPError(400, "input_ids must be a list of ints (batches are not simulated).")
+        vocab_size = self.tokens.tokenizer.get_vocab_size()
+        if not input_ids or any(not 0 <= token < vocab_size for token in input_ids):
+            raise SimHTTPError(400, f"input_ids must be non-empty token ids below {vocab_size}.")
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise SimHTTPError(400, "sampling_params must be an object.")
+        max_new_tokens = params.get("max_new_tokens", 128)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise SimHTTPError(400, "max_new_tokens must be a non-negative int.")
+        if params.get("n", 1) != 1:
+            raise SimHTTPError(400, "The simulated worker supports n == 1 only.")
+        context = self.config.context_length
+        if len(input_ids) >= context:
+            raise SimHTTPError(
+                400,
+                f"The input ({len(input_ids)} tokens) is longer than the model's context length "
+                f"({context} tokens).",
+            )
+        if len(input_ids) + max_new_tokens > context:
+            raise SimHTTPError(
+                400,
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                f"You requested a total of {len(input_ids) + max_new_tokens} tokens: {len(input_ids)} tokens "
+                f"from the input messages and {max_new_tokens} tokens for the completion.",
+            )
+        rid = body.get("rid")
+        return input_ids, params, rid if isinstance(rid, str) and rid else f"sim-{time.monotonic_ns()}"
+
+    def _admit(self, body: Any) -> tuple[SimRequest, _Running]:
+        input_ids, params, rid = self._validate(body)
+        request = SimRequest(body, rid, input_ids, params)
+        self.requests.append(request)
+        if len(self.requests) > self.config.request_log_limit:
+            del self.requests[: len(self.requests) - self.config.request_log_limit]
+        if self._failures:
+            raise SimHTTPError(self._failures.pop(0), "Injected failure of the simulated worker.")
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self._running) >= limit:
+            raise SimHTTPError(503, "The request queue is full.")
+        if rid in self._running:
+            raise SimHTTPError(400, f"Duplicate request ID {rid}.")
+        running = _Running()
+        self._running[rid] = running
+        self.peak_running = max(self.peak_running, len(self._running))
+        return request, running
+
+    def _cached_tokens(self, key: str, input_ids: list[int]) -> int:
+        previous = self._prefix_cache.pop(key, [])
+        cached = 0
+        for a, b in zip(previous, input_ids, strict=False):
+            if a != b:
+                break
+            cached += 1
+        return cached
+
+    async def run(self, request: SimRequest, running: _Running) -> tuple[_Output, dict[str, Any]]:
+        """Plays one request to its end (or its abort): the output and the meta_info."""
+        start = time.monotonic()
+        meta: dict[str, Any] = {"id": request.rid}
+        try:
+            queued = not await self._wait_resumed(running)
+            output = plan_output(
+                self.tokens, self.config, request.input_ids, request.sampling_params, request.rid
+            )
+            if not queued:
+                key = episode_key(request.rid)
+                cached = self._cached_tokens(key, request.input_ids)
+                self._prefix_cache[key] = request.input_ids + output.ids
+                while len(self._prefix_cache) > PREFIX_CACHE_ENTRIES:
+                    self._prefix_cache.popitem(last=False)
+                meta |= {"prompt_tokens": len(request.input_ids), "cached_tokens": cached}
+                decode_seconds = self.config.per_token_latency_seconds * len(output.ids)
+                try:
+                    await asyncio.wait_for(
+                        running.aborted.wait(), timeout=self.config.latency_seconds + decode_seconds
+                    )
+                except asyncio.TimeoutError:  # noqa: UP041 (Python 3.10 raises the asyncio one)
+                    pass
+            if running.aborted.is_set():
+                produced = 0 if queued else self._produced(time.monotonic() - start, len(output.ids))
+                output = _Output(
+                    output.ids[:produced],
+                    output.logprobs[:produced],
+                    {"type": "abort", "message": running.abort_message},
+                )
+        finally:
+            self._running.pop(request.rid, None)
+        meta |= {
+            "finish_reason": output.finish_reason,
+            "completion_tokens": len(output.ids),
+            "e2e_latency": time.monotonic() - start,
+            "weight_version": self.weight_version,
+        }
+        meta.setdefault("cached_tokens", 0)
+        return output, meta
+
+    async def _wait_resumed(self, running: _Running) -> bool:
+        """Waits out a pause; False if the request was aborted while queued."""
+        while self._paused and not running.aborted.is_set():
+            resumed = asyncio.ensure_future(self._resumed.wait())
+            aborted = asyncio.ensure_future(running.aborted.wait())
+            await asyncio.wait({resumed, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            resumed.cancel()
+            aborted.cancel()
+        return not running.aborted.is_set()
+
+    def _produced(self, elapsed: float, total: int) -> int:
+        per_token = self.config.per_token_latency_seconds
+        decoding = elapsed - self.config.latency_seconds
+        if per_token <= 0 or decoding <= 0:
+            return 0
+        return min(total - 1, int(decoding / per_token))
+
+    def response(self, request: SimRequest, output: _Output, meta: dict[str, Any]) -> dict[str, Any]:
+        params = request.sampling_params
+        text_ids = output.ids
+        if output.finish_reason.get("type") == "stop" and text_ids and text_ids[-1] == self.tokens.eos_id:
+            text_ids = text_ids[:-1]  # the matched stop token is trimmed from the text
+        text = self.tokens.decode(text_ids, skip_special_tokens=bool(params.get("skip_special_tokens", True)))
+        if request.body.get("return_logprob"):
+            with_text = bool(request.body.get("return_text_in_logprobs"))
+            decode = self.tokens.decode
+            meta["output_token_logprobs"] = [
+                [logprob, token, decode([token], skip_special_tokens=False) if with_text else None]
+                for logprob, token in zip(output.logprobs, output.ids, strict=True)
+            ]
+        return {"text": text, "output_ids": output.ids, "meta_info": meta}
+
+
+# ---- the HTTP surface ----
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as error:
+        raise SimHTTPError(400, f"Invalid JSON body: {error}") from error
+
+
+async def _abort_on_disconnect(request: Request, running: _Running) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            running.abort_message = "Request is disconnected from the client side. Abort request."
+            running.aborted.set()
+            return
+
+
+def create_sim_app(config: SimConfig | None = None, *, worker: SimWorker | None = None) -> Starlette:
+    """The ASGI app of one simulated worker; pass `worker` to inspect its request log."""
+    sim = worker or SimWorker(config)
+
+    async def generate(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            sim_request, running = sim._admit(body)
+        except SimHTTPError as error:
+            return _error(error.status_code, error.message)
+        if body.get("stream"):
+            return StreamingResponse(_stream(sim, sim_request, running), media_type="text/event-stream")
+        # SGLang aborts a request whose client went away (e.g. timed out), as this watcher does.
+        watcher = asyncio.ensure_future(_abort_on_disconnect(request, running))
+        try:
+            output, meta = await sim.run(sim_request, running)
+        finally:
+            watcher.cancel()
+        sim_request.response_body = _json_bytes(sim.response(sim_request, output, meta))
+        return Response(sim_request.response_body, media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200 if sim.healthy else 503)
+
+    async def model_info(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "model_path": sim.model_path,
+                "tokenizer_path": sim.config.tokenizer_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": sim.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "qwen2",
+                "architectures": ["Qwen2ForCausalLM"],
+            }
+        )
+
+    async def server_info(request: Request) -> Response:
+        return JSONResponse(
+            {
+                "model_path": sim.model_path,
+                "tokenizer_path": sim.config.tokenizer_path,
+                "context_length": sim.config.context_length,
+                "max_queued_requests": sim.config.max_queued_requests,
+                "weight_version": sim.weight_version,
+                "dp_size": 1,
+                "tp_size": 1,
+                "version": "sim",
+                "internal_states": [{"max_total_num_tokens": 1_000_000, "last_gen_throughput": 0.0}],
+            }
+        )
+
+    async def load(request: Request) -> Response:
+        return JSONResponse([{"dp_rank": 0, "num_reqs": sim.running, "num_waiting_reqs": 0, "num_tokens": 0}])
+
+    async def weight_version(request: Request) -> Response:
+        return JSONResponse({"weight_version": sim.weight_version})
+
+    async def abort_request(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+        except SimHTTPError as error:
+            return _error(error.status_code, error.message)
+        if not isinstance(body, dict):
+            return _error(400, "The request body must be a JSON object.")
+        sim.aborts.append(body)
+        sim.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
+        return Response(status_code=200)
+
+    async def pause_generation(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+        except SimHTTPError as error:
+            return _error(error.status_code, error.message)
+        mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
+        if mode not in ("abort", "retract", "in_place"):
+            return _error(400, f"Unknown pause mode {mode!r}.")
+        sim.pause(mode)
+        return JSONResponse({"status": "ok"})
+
+    async def continue_generation(request: Request) -> Response:
+        try:
+            await _json_body(request)
+        except SimHTTPError as error:
+            return _error(error.status_code, error.message)
+        sim.resume()
+        return JSONResponse({"status": "ok"})
+
+    async def update_weights_from_disk(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+        except SimHTTPError as error:
+            return _error(error.status_code, error.message)
+        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+            return _error(400, "model_path is required.")
+        if body.get("abort_all_requests"):
+            sim.abort("", abort_all=True, message="Aborted by update_weights_from_disk.")
+        sim.model_path = body["model_path"]
+        if body.get("weight_version") is not None:
+            sim.weight_version = str(body["weight_version"])
+        sim.flush_cache()
+        return JSONResponse(
+            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        )
+
+    async def flush_cache(request: Request) -> Response:
+        sim.flush_cache()
+        message = "Cache flushed.\nPlease check backend logs for more details."
+        return Response(message, media_type="text/plain")
+
+    async def models(request: Request) -> Response:
+        model = {
+            "id": sim.model_path,
+            "object": "model",
+            "created": 0,
+            "owned_by": "sglang",
+            "root": sim.model_path,
+            "max_model_len": sim.config.context_length,
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    routes = [
+        Route("/generate", generate, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/health_generate", health, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/model_info", model_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/get_load", load, methods=["GET"]),
+        Route("/get_weight_version", weight_version, methods=["GET"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/pause_generation", pause_generation, methods=["POST"]),
+        Route("/continue_generation", continue_generation, methods=["POST"]),
+        Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
+        Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+async def _stream(sim: SimWorker, request: SimRequest, running: _Running) -> AsyncIterator[bytes]:
+    """SSE frames with the cumulative text, ids and logprobs so far; finish_reason null until the last."""
+    output, meta = await sim.run(request, running)
+    step = max(1, sim.config.stream_interval)
+    for end in range(step, len(output.ids), step):
+        partial = _Output(output.ids[:end], output.logprobs[:end], {})
+        chunk = sim.response(request, partial, {**meta, "finish_reason": None, "completion_tokens": end})
+        yield b"data: " + _json_bytes(chunk) + b"\n\n"
+    yield b"data: " + _json_bytes(sim.response(request, output, meta)) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+@contextmanager
+def serve_in_thread(app: Starlette, host: str = "127.0.0.1") -> Iterator[str]:
+    """Serves `app` with uvicorn on a free port in a daemon thread; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    # The router probes connection modes with bytes uvicorn logs as invalid: only errors are logged.
+    config = uvicorn.Config(app, log_level="error", lifespan="off", ws="none")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_SECONDS
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            sock.close()
+            raise RuntimeError("the simulated worker did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=SERVER_START_TIMEOUT_SECONDS)
+        sock.close()
+
+
+def main(
+    host: str = "127.0.0.1", port: int = 30000, config: SimConfig | None = None, **overrides: Any
+) -> None:
+    """Serves one simulated worker until interrupted (`python -m service sim-worker`)."""
+    sim_config = replace(config or SimConfig(), **overrides)
+    uvicorn.run(create_sim_app(sim_config), host=host, port=port, log_level="warning", ws="none")

@@ -1,0 +1,35 @@
+"""Serving an app on a free loopback port inside a running event loop (demo, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from starlette.types import ASGIApp
+
+STARTUP_TIMEOUT_SECONDS = 60.0
+
+
+@asynccontextmanager
+async def serve_app(app: ASGIApp, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Runs `app` (lifespan included) with uvicorn on a free port; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, ws="none"))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(STARTUP_TIMEOUT_SECONDS):
+            while not server.started:
+                if serving.done():
+                    serving.result()  # raises what stopped the server
+                    raise RuntimeError("the server stopped during startup")
+                await asyncio.sleep(0.02)
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        await serving
+        sock.close()

@@ -1,0 +1,65 @@
+"""Token arrays as compact little-endian binary: ids int32, loss mask uint8, logprobs float64.
+
+Everything round-trips exactly: logprobs are kept as the float64 values SGLang sent (float32
+would round them, and the trainer contract says stored logprobs EQUAL the engine's).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterable
+from typing import Any
+
+_INT32 = "i"
+_UINT8 = "B"
+_FLOAT64 = "d"
+_NEEDS_SWAP = sys.byteorder != "little"
+
+# The array typecodes above are 4/1/8 bytes on every platform CPython supports; the stored
+# format depends on it, so check once rather than trust it.
+assert array(_INT32).itemsize == 4 and array(_UINT8).itemsize == 1 and array(_FLOAT64).itemsize == 8
+
+
+def _encode(typecode: str, values: Iterable[int] | Iterable[float]) -> bytes:
+    packed = array(typecode, values)
+    if _NEEDS_SWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _decode(typecode: str, data: bytes) -> list[Any]:
+    unpacked: array[Any] = array(typecode)
+    if len(data) % unpacked.itemsize:
+        raise ValueError(f"{len(data)} bytes is not a whole number of {unpacked.itemsize}-byte items")
+    unpacked.frombytes(data)
+    if _NEEDS_SWAP:
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
+def encode_ids(ids: Iterable[int]) -> bytes:
+    """Token ids as int32; raises OverflowError for an id outside the int32 range."""
+    return _encode(_INT32, ids)
+
+
+def decode_ids(data: bytes) -> list[int]:
+    return _decode(_INT32, data)
+
+
+def encode_mask(mask: Iterable[int]) -> bytes:
+    """Loss mask (0 or 1 per response token) as uint8; raises OverflowError outside 0..255."""
+    return _encode(_UINT8, mask)
+
+
+def decode_mask(data: bytes) -> list[int]:
+    return _decode(_UINT8, data)
+
+
+def encode_logprobs(logprobs: Iterable[float]) -> bytes:
+    """Logprobs as float64, exactly as given."""
+    return _encode(_FLOAT64, logprobs)
+
+
+def decode_logprobs(data: bytes) -> list[float]:
+    return _decode(_FLOAT64, data)

@@ -1,0 +1,138 @@
+"""Engines, session makers and migrations for SQLite (aiosqlite) and PostgreSQL (asyncpg)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Connection, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.pool import NullPool
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+ALEMBIC_INI = REPO_DIR / "alembic.ini"
+MIGRATIONS_DIR = REPO_DIR / "migrations"
+
+# How long a SQLite connection waits for another writer before "database is locked".
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+POSTGRES_POOL_SIZE = 10
+POSTGRES_MAX_OVERFLOW = 20
+POSTGRES_POOL_RECYCLE_SECONDS = 1800
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def is_sqlite(url: str) -> bool:
+    return make_url(url).get_backend_name() == "sqlite"
+
+
+def make_engine(
+    url: str,
+    *,
+    pool_size: int = POSTGRES_POOL_SIZE,
+    max_overflow: int = POSTGRES_MAX_OVERFLOW,
+    echo: bool = False,
+) -> AsyncEngine:
+    """An async engine for a sqlite+aiosqlite:// or postgresql+asyncpg:// URL.
+
+    SQLite: WAL, busy_timeout and foreign keys on every connection, and every transaction starts
+    with BEGIN IMMEDIATE. SQLite has a single writer; a deferred transaction that reads and then
+    writes fails at once with SQLITE_BUSY (a stale WAL snapshot) when another connection committed
+    in between, whereas BEGIN IMMEDIATE waits up to busy_timeout for the write lock. So claimers in
+    one process or many never see the same queued row. The pool sizes apply to PostgreSQL only.
+    """
+    if is_sqlite(url):
+        engine = create_async_engine(url, echo=echo)
+        _make_sqlite_transactional(engine, foreign_keys=True)
+        return engine
+    return create_async_engine(
+        url,
+        echo=echo,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        pool_pre_ping=True,
+        pool_recycle=POSTGRES_POOL_RECYCLE_SECONDS,
+    )
+
+
+def make_migration_engine(url: str) -> AsyncEngine:
+    """The engine Alembic migrates with: no pool; on SQLite transactional DDL and foreign keys OFF.
+
+    Batch mode alters a SQLite table by copying it and dropping the original; with foreign keys on,
+    dropping a referenced table would cascade-delete the rows referencing it. SQLite ignores
+    `PRAGMA foreign_keys` inside a transaction, so it is left off for the whole connection.
+    """
+    engine = create_async_engine(url, poolclass=NullPool)
+    if is_sqlite(url):
+        _make_sqlite_transactional(engine, foreign_keys=False)
+    return engine
+
+
+def _make_sqlite_transactional(engine: AsyncEngine, *, foreign_keys: bool) -> None:
+    def on_connect(dbapi_connection: Any, connection_record: Any) -> None:
+        # Stop the driver from issuing its own deferred BEGIN (and from running DDL outside any
+        # transaction); begin_immediate issues ours.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute(f"PRAGMA foreign_keys={'ON' if foreign_keys else 'OFF'}")
+        finally:
+            cursor.close()
+
+    def begin_immediate(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    event.listen(engine.sync_engine, "connect", on_connect)
+    event.listen(engine.sync_engine, "begin", begin_immediate)
+
+
+def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    # expire_on_commit=False: objects stay readable after commit without a lazy (sync) reload.
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+@dataclass(frozen=True)
+class Database:
+    """An engine and its session maker, e.g. for the app's lifespan: `Database.open(url)`, then
+    `await database.dispose()`."""
+
+    url: str
+    engine: AsyncEngine
+    sessionmaker: async_sessionmaker[AsyncSession]
+
+    @classmethod
+    def open(cls, url: str) -> Database:
+        engine = make_engine(url)
+        return cls(url=url, engine=engine, sessionmaker=make_sessionmaker(engine))
+
+    async def dispose(self) -> None:
+        await self.engine.dispose()
+
+
+def alembic_config(url: str) -> Config:
+    """The project's Alembic config, pointed at `url` (overriding Settings().database_url)."""
+    if not MIGRATIONS_DIR.is_dir():
+        # The migrations live next to the package in the source tree, not inside it.
+        raise FileNotFoundError(f"no Alembic migrations at {MIGRATIONS_DIR}: run from a source checkout")
+    config = Config(str(ALEMBIC_INI)) if ALEMBIC_INI.exists() else Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # '%' is ConfigParser interpolation syntax; URLs may contain it (escaped passwords).
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    # Leave the application's logging alone when migrating programmatically.
+    config.attributes["configure_logger"] = False
+    return config
+
+
+def run_migrations(url: str, revision: str = "head") -> None:
+    """Upgrade the database at `url` to `revision`. Synchronous: call it with no running event loop
+    (from the CLI, or via asyncio.to_thread from async code)."""
+    command.upgrade(alembic_config(url), revision)

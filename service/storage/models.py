@@ -1,0 +1,166 @@
+"""The database schema: a batch is one submitted request; each of its episodes is one queued job."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from service.storage import blobs
+
+# Explicit constraint names, so migrations can drop and alter them on every backend.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class EpisodeStatus(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+FINISHED_STATUSES = frozenset(
+    {EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED, EpisodeStatus.ABORTED, EpisodeStatus.FAILED}
+)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every backend.
+
+    SQLite has no time zones: values are stored as naive UTC text (whose order is time order) and
+    come back with tzinfo=UTC. Naive datetimes are refused rather than guessed at.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: use service.storage.db.utcnow()")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON(), list[Any]: JSON()}
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # Hash of the normalized request: a resubmission with the same id and hash gets the same
+    # answer, with the same id and another hash a 409.
+    request_hash: Mapped[str] = mapped_column(String(64))
+    env: Mapped[str] = mapped_column(String(128))
+    task_split: Mapped[str] = mapped_column(String(64))
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
+    created_at: Mapped[datetime]
+
+    episodes: Mapped[list[Episode]] = relationship(back_populates="batch", lazy="raise")
+
+
+@dataclass(frozen=True)
+class EpisodeTokens:
+    """The decoded token arrays of a finished episode (see the trainer contract)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+
+
+class Episode(Base):
+    """One rollout and, while unfinished, its job: status, attempt and lease drive the queue."""
+
+    __tablename__ = "episodes"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ({})".format(", ".join(f"'{status.value}'" for status in EpisodeStatus)),
+            name="status",
+        ),
+        Index("ix_episodes_status_created_at", "status", "created_at"),
+        Index("ix_episodes_status_lease_expires_at", "status", "lease_expires_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
+    group_index: Mapped[int] = mapped_column(Integer)  # index of the task in the request: a GRPO group
+    sample_index: Mapped[int] = mapped_column(Integer)  # index of the sample within its group
+    env: Mapped[str] = mapped_column(String(128))
+    task_split: Mapped[str] = mapped_column(String(64))
+    task_index: Mapped[int] = mapped_column(Integer)
+    sampling_params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    max_turns: Mapped[int] = mapped_column(Integer)
+    max_response_tokens: Mapped[int | None] = mapped_column(Integer)
+
+    status: Mapped[str] = mapped_column(String(16))
+    # Fencing token: +1 on every re-queue, so a worker that lost its lease cannot finish the row.
+    attempt: Mapped[int] = mapped_column(Integer)
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_expires_at: Mapped[datetime | None]
+
+    reward: Mapped[float | None] = mapped_column(Float)
+    prompt_ids: Mapped[bytes | None] = mapped_column(LargeBinary)  # int32 LE, see blobs
+    response_ids: Mapped[bytes | None] = mapped_column(LargeBinary)  # int32 LE
+    loss_mask: Mapped[bytes | None] = mapped_column(LargeBinary)  # uint8
+    rollout_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)  # float64 LE
+    messages: Mapped[list[Any] | None] = mapped_column(JSON)
+    info: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Per-turn records: weight_version, finish_reason, engine_seconds, env_seconds, ...
+    turns: Mapped[list[Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+    num_turns: Mapped[int | None] = mapped_column(Integer)
+
+    created_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]  # start of the latest attempt
+    finished_at: Mapped[datetime | None]
+
+    batch: Mapped[Batch] = relationship(back_populates="episodes", lazy="raise")
+
+    def tokens(self) -> EpisodeTokens | None:
+        """The decoded token arrays, or None when the episode stored none (unfinished, failed)."""
+        if self.prompt_ids is None or self.response_ids is None:
+            return None
+        return EpisodeTokens(
+            prompt_ids=blobs.decode_ids(self.prompt_ids),
+            response_ids=blobs.decode_ids(self.response_ids),
+            loss_mask=blobs.decode_mask(self.loss_mask or b""),
+            rollout_logprobs=blobs.decode_logprobs(self.rollout_logprobs or b""),
+        )

@@ -1,0 +1,195 @@
+"""Database fixtures: every test gets its own fresh database, on SQLite and on PostgreSQL.
+
+Fixtures
+- `backend`: "sqlite" or "postgres". Any test using the fixtures below runs once per backend. To
+  run on one backend only: `@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)`.
+- `database_url`: the async SQLAlchemy URL of a new database migrated to head, private to the test
+  and removed after it. For app tests: `create_app(Settings(database_url=database_url))`.
+- `db`: a `service.storage.db.Database` on that database: `.url`, `.engine` (from `make_engine`,
+  disposed after the test) and `.sessionmaker`. A second engine on
+  the same database (a "second process"): `make_engine(db.url)`; dispose it yourself.
+- `empty_database_url`: like `database_url` but not migrated (for migration tests).
+
+SQLite databases are files in `tmp_path`, copied from one migrated per session. PostgreSQL ones are
+`CREATE DATABASE ... TEMPLATE` of a template migrated per session, dropped after the test. The
+server is ROLLOUT_TEST_POSTGRES_URL (default postgresql://postgres@127.0.0.1:5432/postgres, a user
+who may CREATE DATABASE). If it is unreachable the postgres tests fail, unless ROLLOUT_SKIP_POSTGRES=1,
+which skips them instead. `-m "not postgres"` deselects them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import asyncpg
+import httpx
+import pytest
+from sqlalchemy.engine import make_url
+
+from service.app import create_app
+from service.config import Settings
+from service.engine.sim import SimConfig, SimWorker, create_sim_app, serve_in_thread
+from service.serving import serve_app
+from service.storage.db import Database, run_migrations
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "ROLLOUT_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+SKIP_POSTGRES = os.environ.get("ROLLOUT_SKIP_POSTGRES") == "1"
+POSTGRES_CONNECT_TIMEOUT_SECONDS = 5.0
+BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+T = TypeVar("T")
+
+
+def _run_in_thread(function: Callable[[], T]) -> T:
+    """Run blocking or asyncio.run-based setup on a fresh thread, clear of any test event loop."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
+        return executor.submit(function).result()
+
+
+def _postgres(statement_fn: Callable[[asyncpg.Connection], Awaitable[object]]) -> None:
+    async def run() -> None:
+        admin_url = make_url(POSTGRES_ADMIN_URL).set(drivername="postgresql")
+        connection = await asyncpg.connect(
+            admin_url.render_as_string(hide_password=False), timeout=POSTGRES_CONNECT_TIMEOUT_SECONDS
+        )
+        try:
+            await statement_fn(connection)
+        finally:
+            await connection.close()
+
+    _run_in_thread(lambda: asyncio.run(run()))
+
+
+def _postgres_url(database: str) -> str:
+    url = make_url(POSTGRES_ADMIN_URL).set(drivername="postgresql+asyncpg", database=database)
+    return url.render_as_string(hide_password=False)
+
+
+def _create_database(name: str, template: str | None = None) -> None:
+    suffix = f" TEMPLATE {template}" if template else ""
+
+    async def create(connection: asyncpg.Connection) -> None:
+        await connection.execute(f"CREATE DATABASE {name}{suffix}")
+
+    _postgres(create)
+
+
+def _drop_database(name: str) -> None:
+    async def drop(connection: asyncpg.Connection) -> None:
+        await connection.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+    _postgres(drop)
+
+
+@pytest.fixture(scope="session")
+def postgres_template() -> Iterator[str]:
+    """Name of a PostgreSQL database migrated to head, to clone per test."""
+    name = f"rollout_tpl_{uuid.uuid4().hex[:12]}"
+    try:
+        _create_database(name)
+    except (TimeoutError, OSError, asyncpg.PostgresError) as error:
+        reason = f"PostgreSQL unreachable at {POSTGRES_ADMIN_URL}: {error!r}"
+        if SKIP_POSTGRES:
+            pytest.skip(f"{reason} (ROLLOUT_SKIP_POSTGRES=1)")
+        pytest.fail(f"{reason}. Start it, or set ROLLOUT_SKIP_POSTGRES=1 to skip these tests.", pytrace=False)
+    try:
+        _run_in_thread(lambda: run_migrations(_postgres_url(name)))
+        yield name
+    finally:
+        _drop_database(name)
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file migrated to head, to copy per test."""
+    path = tmp_path_factory.mktemp("sqlite_template") / "template.db"
+    _run_in_thread(lambda: run_migrations(f"sqlite+aiosqlite:///{path}"))
+    return path
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def database_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if backend == "sqlite":
+        template: Path = request.getfixturevalue("sqlite_template")
+        path = tmp_path / "rollouts.db"
+        shutil.copyfile(template, path)
+        yield f"sqlite+aiosqlite:///{path}"
+        return
+    name = f"rollout_test_{uuid.uuid4().hex[:12]}"
+    _create_database(name, template=request.getfixturevalue("postgres_template"))
+    try:
+        yield _postgres_url(name)
+    finally:
+        _drop_database(name)
+
+
+@pytest.fixture
+def empty_database_url(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if backend == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'empty.db'}"
+        return
+    request.getfixturevalue("postgres_template")  # fails or skips when the server is unreachable
+    name = f"rollout_test_{uuid.uuid4().hex[:12]}"
+    _create_database(name)
+    try:
+        yield _postgres_url(name)
+    finally:
+        _drop_database(name)
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[Database]:
+    database = Database.open(database_url)
+    try:
+        yield database
+    finally:
+        await database.dispose()
+
+
+# ---- the service over HTTP, against a simulated SGLang worker ----
+
+
+
+@pytest.fixture
+def sim() -> Iterator[tuple[SimWorker, str]]:
+    """A simulated SGLang worker on a free port: (its state and request log, its URL)."""
+    worker = SimWorker(SimConfig(latency_seconds=0.01))
+    with serve_in_thread(create_sim_app(worker.config, worker=worker)) as url:
+        yield worker, url
+
+
+def service_settings(database_url: str, sglang_url: str, **overrides: object) -> Settings:
+    values: dict[str, object] = {
+        "database_url": database_url,
+        "sglang_url": sglang_url,
+        "env_executor": "thread",
+        "lease_seconds": 5.0,
+        "sweep_interval_seconds": 0.5,
+        "claim_interval_seconds": 0.05,
+        "engine_backoff_seconds": 0.05,
+        "api_keys": "",
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def client(database_url: str, sim: tuple[SimWorker, str]) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of the whole service (worker included) served on a free port."""
+    app = create_app(service_settings(database_url, sim[1]))
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        yield http

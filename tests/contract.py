@@ -1,0 +1,50 @@
+"""The invariants of a stored episode (docs/trainer-contract.md), as one reusable assertion."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from service.engine.sim import SimWorker
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    input_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+
+
+def assert_trainer_contract(
+    prompt: list[int], response: list[int], mask: list[int], logprobs: list[float], calls: list[GenerateCall]
+) -> None:
+    # 1. Equal lengths.
+    assert len(response) == len(mask) == len(logprobs)
+    # 2. Every call's input is P + R[:o]; its output is R[o:o+n] exactly, mask 1, its logprobs.
+    sampled = [False] * len(response)
+    for call in calls:
+        assert call.input_ids[: len(prompt)] == prompt
+        offset, count = len(call.input_ids) - len(prompt), len(call.output_ids)
+        assert call.input_ids[len(prompt) :] == response[:offset]
+        assert response[offset : offset + count] == call.output_ids
+        assert mask[offset : offset + count] == [1] * count
+        assert logprobs[offset : offset + count] == call.logprobs
+        sampled[offset : offset + count] = [True] * count
+    # 3. Every other position: mask 0, logprob 0.0.
+    for position, was_sampled in enumerate(sampled):
+        if not was_sampled:
+            assert mask[position] == 0 and logprobs[position] == 0.0, position
+
+
+def sim_calls(sim: SimWorker, episode_id: str, attempt: int) -> list[GenerateCall]:
+    """The generate calls the simulated worker answered for one attempt of one episode, in order."""
+    prefix = f"{episode_id}:{attempt}:"
+    calls = []
+    for request in sorted(
+        (r for r in sim.requests if r.rid.startswith(prefix)), key=lambda r: int(r.rid.rsplit(":", 1)[1])
+    ):
+        assert request.response_body is not None
+        meta = json.loads(request.response_body)["meta_info"]
+        pairs = meta["output_token_logprobs"]
+        calls.append(GenerateCall(request.input_ids, [p[1] for p in pairs], [p[0] for p in pairs]))
+    return calls

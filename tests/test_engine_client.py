@@ -1,0 +1,352 @@
+"""SGLangClient against the simulated worker (in-process and over a real socket) and its parsing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from service.config import TEST_TOKENIZER_DIR
+from service.engine.client import (
+    EngineError,
+    EngineRequestError,
+    EngineResponseError,
+    EngineUnavailableError,
+    Generation,
+    SGLangClient,
+    parse_generation,
+)
+from service.engine.sim import SimConfig, SimWorker, create_sim_app, serve_in_thread
+from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
+
+FAST = SimConfig(latency_seconds=0.0, noncanonical_rate=0.5)
+TOKENIZER = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+EOS = TOKENIZER.convert_tokens_to_ids("<|im_end|>")
+
+
+def prompt() -> list[int]:
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": tasks("train")[0].instruction},
+    ]
+    text = TOKENIZER.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    return list(TOKENIZER.encode(text, add_special_tokens=False))
+
+
+def make_client(http: httpx.AsyncClient, base_url: str = "http://sim", **overrides: Any) -> SGLangClient:
+    options: dict[str, Any] = {
+        "max_inflight": 8,
+        "retries": 3,
+        "backoff_seconds": 0.001,
+        "timeout_seconds": 5.0,
+    } | overrides
+    return SGLangClient(http, base_url, **options)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def until(condition: Callable[[], bool], timeout_seconds: float = 5.0) -> None:
+    """Waits (bounded) for a condition on a worker that another task or thread changes."""
+    for _ in range(int(timeout_seconds / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached in time")
+
+
+@pytest.fixture
+def worker() -> SimWorker:
+    return SimWorker(FAST)
+
+
+@pytest.fixture
+async def http(worker: SimWorker) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_sim_app(worker=worker))) as client:
+        yield client
+
+
+async def test_generate_sends_only_router_fields_and_parses(
+    worker: SimWorker, http: httpx.AsyncClient
+) -> None:
+    client = make_client(http)
+    ids = prompt()
+    generation = await client.generate(ids, {"max_new_tokens": 200, "temperature": 1.0}, "ep:0:0")
+    assert worker.requests[0].body == {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 200, "temperature": 1.0},
+        "return_logprob": True,
+        "rid": "ep:0:0",
+    }
+    assert generation.finish_type == "stop"
+    assert generation.finish_reason == {"type": "stop", "matched": EOS}
+    assert generation.output_ids[-1] == EOS
+    assert len(generation.logprobs) == len(generation.output_ids)
+    assert all(-3.0 < logprob <= 0.0 for logprob in generation.logprobs)
+    assert generation.weight_version == "default"
+    assert generation.prompt_tokens == len(ids)
+    assert generation.cached_tokens == 0
+    assert generation.text.startswith("<tool_call>\n")
+
+
+async def test_output_ids_are_noncanonical_yet_decode_to_the_text(http: httpx.AsyncClient) -> None:
+    generation = await make_client(http).generate(prompt(), {"max_new_tokens": 200}, "nc:0:0")
+    body_ids = generation.output_ids[:-1]
+    assert body_ids != TOKENIZER.encode(generation.text, add_special_tokens=False)
+    assert TOKENIZER.decode(body_ids) == generation.text
+
+
+async def test_without_the_stop_token() -> None:
+    worker = SimWorker(SimConfig(latency_seconds=0.0, include_stop_token=False))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_sim_app(worker=worker))) as http:
+        generation = await make_client(http).generate(prompt(), {"max_new_tokens": 200}, "ns:0:0")
+    assert generation.finish_type == "stop"
+    assert generation.output_ids[-1] != EOS
+    assert TOKENIZER.decode(generation.output_ids) == generation.text
+    assert len(generation.logprobs) == len(generation.output_ids)
+
+
+async def test_length_finish(http: httpx.AsyncClient) -> None:
+    generation = await make_client(http).generate(prompt(), {"max_new_tokens": 4}, "len:0:0")
+    assert generation.finish_type == "length"
+    assert generation.finish_reason == {"type": "length", "length": 4}
+    assert len(generation.output_ids) == 4
+
+
+async def test_retries_503_then_succeeds(worker: SimWorker, http: httpx.AsyncClient) -> None:
+    worker.fail_next(2, 503)
+    generation = await make_client(http).generate(prompt(), {"max_new_tokens": 50}, "r:0:0")
+    assert generation.finish_type in ("stop", "length")
+    assert len(worker.requests) == 3
+    assert {request.rid for request in worker.requests} == {"r:0:0"}
+
+
+@pytest.mark.parametrize("status", [408, 429, 500, 502])
+async def test_retryable_statuses(worker: SimWorker, http: httpx.AsyncClient, status: int) -> None:
+    worker.fail_next(1, status)
+    await make_client(http).generate(prompt(), {"max_new_tokens": 50}, "r:0:0")
+    assert len(worker.requests) == 2
+
+
+async def test_retries_exhausted(worker: SimWorker, http: httpx.AsyncClient) -> None:
+    worker.fail_next(10, 503)
+    with pytest.raises(EngineUnavailableError) as raised:
+        await make_client(http, retries=2).generate(prompt(), {"max_new_tokens": 50}, "r:0:0")
+    assert raised.value.retryable is True
+    assert raised.value.status_code == 503
+    assert len(worker.requests) == 3
+
+
+async def test_400_is_not_retried_and_keeps_the_message(worker: SimWorker) -> None:
+    attempts = []
+
+    async def count(request: httpx.Request) -> None:
+        attempts.append(request.url.path)
+
+    transport = httpx.ASGITransport(app=create_sim_app(worker=worker))
+    async with httpx.AsyncClient(transport=transport, event_hooks={"request": [count]}) as http:
+        too_long = [5] * FAST.context_length
+        with pytest.raises(EngineRequestError) as raised:
+            await make_client(http).generate(too_long, {"max_new_tokens": 1}, "big:0:0")
+    assert raised.value.retryable is False
+    assert raised.value.status_code == 400
+    assert "longer than the model's context length" in str(raised.value)
+    assert attempts == ["/generate"]
+
+
+async def test_connection_refused_is_retried_then_fails() -> None:
+    attempts = []
+
+    async def count(request: httpx.Request) -> None:
+        attempts.append(request.url.path)
+
+    async with httpx.AsyncClient(event_hooks={"request": [count]}) as http:
+        client = make_client(http, f"http://127.0.0.1:{free_port()}", retries=2)
+        with pytest.raises(EngineError) as raised:
+            await client.generate([1, 2, 3], {}, "c:0:0")
+        assert raised.value.retryable is True
+        assert raised.value.status_code is None
+        assert attempts == ["/generate"] * 3
+        assert await client.health() is False
+
+
+async def test_timeout_is_retried() -> None:
+    worker = SimWorker(SimConfig(latency_seconds=2.0))
+    with serve_in_thread(create_sim_app(worker=worker)) as url:
+        async with httpx.AsyncClient() as http:
+            client = make_client(http, url, retries=1, timeout_seconds=0.1)
+            with pytest.raises(EngineUnavailableError, match="ReadTimeout"):
+                await client.generate(prompt(), {"max_new_tokens": 8}, "slow:0:0")
+            # Aborted twice over: the client asks, and the worker saw the client go away.
+            await until(lambda: worker.running == 0)
+    assert [request.rid for request in worker.requests] == ["slow:0:0", "slow:0:0.retry1"]
+    assert worker.aborts == [
+        {"rid": "slow:0:0", "abort_all": False},
+        {"rid": "slow:0:0.retry1", "abort_all": False},
+    ]
+    assert worker.running == 0
+
+
+async def test_over_a_real_socket() -> None:
+    worker = SimWorker(FAST)
+    with serve_in_thread(create_sim_app(worker=worker)) as url:
+        async with httpx.AsyncClient() as http:
+            client = make_client(http, url)
+            assert await client.health() is True
+            info = await client.model_info()
+            assert info["is_generation"] is True
+            assert info["weight_version"] == "default"
+            assert await client.workers() == [url]
+            generation = await client.generate(prompt(), {"max_new_tokens": 200}, "sock:0:0")
+    assert worker.requests[0].response_body is not None
+    assert (
+        parse_generation(httpx.Response(200, content=worker.requests[0].response_body).json()) == generation
+    )
+
+
+async def test_abort_mid_generation_returns_partial_output(worker: SimWorker) -> None:
+    slow = SimWorker(SimConfig(latency_seconds=0.0, per_token_latency_seconds=0.01))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_sim_app(worker=slow))) as http:
+        client = make_client(http)
+        full = await client.generate(prompt(), {"max_new_tokens": 200}, "full:0:0")
+        pending = asyncio.create_task(client.generate(prompt(), {"max_new_tokens": 200}, "ab:0:0"))
+        await asyncio.sleep(0.1)
+        await client.abort("ab:0")
+        generation = await pending
+    assert generation.finish_type == "abort"
+    assert 0 < len(generation.output_ids) < len(full.output_ids)
+    assert generation.output_ids == full.output_ids[: len(generation.output_ids)]
+    assert len(generation.logprobs) == len(generation.output_ids)
+    assert slow.aborts == [{"rid": "ab:0", "abort_all": False}]
+
+
+async def test_abort_goes_to_every_configured_worker() -> None:
+    workers = [SimWorker(FAST), SimWorker(FAST)]
+    mounts = {
+        f"http://w{n}": httpx.ASGITransport(app=create_sim_app(worker=worker))
+        for n, worker in enumerate(workers)
+    }
+    async with httpx.AsyncClient(mounts=mounts) as http:
+        client = make_client(http, "http://router", worker_urls=["http://w0", "http://w1/"])
+        assert await client.workers() == ["http://w0", "http://w1"]
+        await client.abort("ep7:")
+    assert [worker.aborts for worker in workers] == [[{"rid": "ep7:", "abort_all": False}]] * 2
+
+
+async def test_max_inflight_bounds_concurrent_generates() -> None:
+    worker = SimWorker(SimConfig(latency_seconds=0.05))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_sim_app(worker=worker))) as http:
+        client = make_client(http, max_inflight=2)
+        await asyncio.gather(
+            *(client.generate(prompt(), {"max_new_tokens": 8}, f"m{n}:0:0") for n in range(6))
+        )
+    assert worker.peak_running == 2
+
+
+def response_body(meta: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"text": "hi", "meta_info": {"finish_reason": {"type": "stop", "matched": 2}, **meta}, **fields}
+
+
+def test_parse_logprobs_with_and_without_the_stop_token() -> None:
+    with_stop = parse_generation(
+        response_body(
+            {"output_token_logprobs": [[-0.5, 10, None], [-0.25, 2, None]], "weight_version": "3"},
+            output_ids=[10, 2],
+        )
+    )
+    assert (with_stop.output_ids, with_stop.logprobs) == ([10, 2], [-0.5, -0.25])
+    assert with_stop.weight_version == "3"
+    without_stop = parse_generation(
+        response_body({"output_token_logprobs": [[-0.5, 10, "h"]]}, output_ids=[10])
+    )
+    assert (without_stop.output_ids, without_stop.logprobs) == ([10], [-0.5])
+    assert without_stop.prompt_tokens is None
+    assert without_stop.cached_tokens is None
+
+
+def test_parse_prefers_logprob_ids_and_warns_on_disagreement(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="service.engine.client"):
+        generation = parse_generation(
+            response_body({"output_token_logprobs": [[-0.5, 10, None], [-0.1, 11, None]]}, output_ids=[10])
+        )
+    assert generation.output_ids == [10, 11]
+    assert "disagree" in caplog.text
+
+
+def test_parse_without_logprobs_falls_back_to_output_ids() -> None:
+    generation = parse_generation(response_body({"prompt_tokens": 5, "cached_tokens": 3}, output_ids=[7, 8]))
+    assert generation == Generation(
+        [7, 8], [0.0, 0.0], "stop", {"type": "stop", "matched": 2}, None, 5, 3, "hi"
+    )
+
+
+def test_parse_abort_while_queued() -> None:
+    body = {"text": "", "meta_info": {"id": "x", "finish_reason": {"type": "abort", "message": "Abort"}}}
+    generation = parse_generation(body)
+    assert (generation.output_ids, generation.finish_type, generation.prompt_tokens) == ([], "abort", None)
+
+
+def test_parse_ignores_unknown_keys_and_maps_unknown_finish_types() -> None:
+    body = response_body({"spec_verify_ct": 0, "finish_reason": {"type": "error"}}, output_ids=[], extra=1)
+    assert parse_generation(body).finish_type == "abort"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [],
+        {"text": "x"},
+        {"meta_info": {"finish_reason": None}, "output_ids": [1]},
+        response_body({}),
+        response_body({"output_token_logprobs": [[-0.1]]}),
+        response_body({"output_token_logprobs": [[None, 1, None]]}),
+        response_body({"output_token_logprobs": [[-0.1, "1", None]]}),
+        response_body({"output_token_logprobs": "nope"}),
+        response_body({}, output_ids=[1, 2.5]),
+    ],
+)
+def test_parse_rejects_malformed_bodies(body: Any) -> None:
+    with pytest.raises(EngineResponseError) as raised:
+        parse_generation(body)
+    assert raised.value.retryable is False
+
+
+async def test_malformed_200_is_not_retried() -> None:
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(200, json={"text": "x", "output_ids": [1], "meta_info": {}})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        with pytest.raises(EngineResponseError):
+            await make_client(http).generate([1], {}, "bad:0:0")
+    assert len(calls) == 1
+
+
+async def test_workers_from_a_router_listing() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/workers"
+        return httpx.Response(
+            200, json={"workers": [{"url": "http://a:1"}, {"url": "http://b:2/"}], "total": 2}
+        )
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        assert await make_client(http, "http://router").workers() == ["http://a:1", "http://b:2"]
+
+
+async def test_model_info_error_is_an_engine_error() -> None:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(503))) as http:
+        with pytest.raises(EngineError) as raised:
+            await make_client(http).model_info()
+    assert raised.value.retryable is True

@@ -1,0 +1,312 @@
+from __future__ import annotations
+
+import asyncio
+import struct
+import uuid
+from datetime import timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from sqlalchemy import exc, select
+
+from service.storage import blobs
+from service.storage.batches import (
+    NewEpisode,
+    batch_status_counts,
+    enqueue_batch,
+    get_batch,
+    load_batch_episodes,
+    queue_depth,
+    status_counts,
+)
+from service.storage.db import Database, make_engine, make_sessionmaker, utcnow
+from service.storage.models import Episode, EpisodeTokens
+from service.storage.queue import (
+    EpisodeOutcome,
+    claim_episodes,
+    finish_episode,
+    release_episodes,
+    renew_leases,
+    requeue_expired,
+)
+
+INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+LEASE_SECONDS = 30.0
+
+
+# --- blobs: pure ---------------------------------------------------------------------------------
+
+
+@given(st.lists(INT32))
+def test_ids_round_trip(ids: list[int]) -> None:
+    data = blobs.encode_ids(ids)
+    assert len(data) == 4 * len(ids)
+    assert blobs.decode_ids(data) == ids
+
+
+@given(st.lists(st.integers(min_value=0, max_value=1)))
+def test_mask_round_trip(mask: list[int]) -> None:
+    data = blobs.encode_mask(mask)
+    assert len(data) == len(mask)
+    assert blobs.decode_mask(data) == mask
+
+
+@given(st.lists(st.floats(allow_nan=False)))
+def test_logprobs_round_trip_exactly(logprobs: list[float]) -> None:
+    assert blobs.decode_logprobs(blobs.encode_logprobs(logprobs)) == logprobs
+
+
+def test_blobs_are_little_endian() -> None:
+    assert blobs.encode_ids([1, -2]) == b"\x01\x00\x00\x00\xfe\xff\xff\xff"
+    assert blobs.encode_mask([0, 1]) == b"\x00\x01"
+    assert blobs.encode_logprobs([-0.5]) == struct.pack("<d", -0.5)
+
+
+def test_blobs_refuse_bad_input() -> None:
+    with pytest.raises(OverflowError):
+        blobs.encode_ids([2**31])
+    with pytest.raises(OverflowError):
+        blobs.encode_mask([256])
+    with pytest.raises(ValueError, match="whole number"):
+        blobs.decode_ids(b"\x00\x00\x00")
+
+
+def test_outcome_checks_the_response_arrays() -> None:
+    with pytest.raises(ValueError, match="differ in length"):
+        EpisodeOutcome(status="completed", response_ids=[1, 2], loss_mask=[1], rollout_logprobs=[0.0, 0.0])
+    with pytest.raises(ValueError, match="go together"):
+        EpisodeOutcome(status="completed", response_ids=[1], loss_mask=[1])
+    with pytest.raises(ValueError, match="finished status"):
+        EpisodeOutcome(status="running")
+
+
+# --- the queue, on both backends -------------------------------------------------------------------
+
+
+async def enqueue(db: Database, groups: int = 2, samples: int = 2) -> str:
+    batch_id = f"batch-{uuid.uuid4().hex[:8]}"
+    episodes = [
+        NewEpisode(
+            group_index=group,
+            sample_index=sample,
+            env="builtin",
+            task_split="test",
+            task_index=10 + group,
+            sampling_params={"temperature": 1.0},
+            max_turns=4,
+            max_response_tokens=None if group else 256,
+        )
+        for group in range(groups)
+        for sample in range(samples)
+    ]
+    async with db.sessionmaker.begin() as session:
+        await enqueue_batch(
+            session,
+            batch_id=batch_id,
+            request_hash="h" * 64,
+            env="builtin",
+            task_split="test",
+            metadata={"step": 3},
+            episodes=episodes,
+        )
+    return batch_id
+
+
+def outcome(length: int = 3, status: str = "completed") -> EpisodeOutcome:
+    return EpisodeOutcome(
+        status=status,
+        reward=1.0,
+        prompt_ids=[1, 2, 3],
+        response_ids=list(range(100, 100 + length)),
+        loss_mask=[1] * length,
+        rollout_logprobs=[-0.25] * length,
+        messages=[{"role": "user", "content": "hi"}],
+        info={"reward_breakdown": {"r": 1.0}},
+        turns=[{"weight_version": "7", "finish_reason": "stop"}],
+        num_turns=1,
+    )
+
+
+async def test_enqueue_and_read_back(db: Database) -> None:
+    batch_id = await enqueue(db, groups=3, samples=2)
+    async with db.sessionmaker() as session:
+        batch = await get_batch(session, batch_id)
+        assert batch is not None
+        assert batch.metadata_ == {"step": 3}
+        assert batch.created_at.tzinfo is not None
+        assert await get_batch(session, "missing") is None
+        assert await queue_depth(session) == 6
+        counts = await batch_status_counts(session, batch_id)
+        assert counts == {
+            "queued": 6, "running": 0, "completed": 0, "truncated": 0, "aborted": 0, "failed": 0,
+        }  # fmt: skip
+        assert (await status_counts(session))["queued"] == 6
+        episodes = await load_batch_episodes(session, batch_id)
+        order = [(e.group_index, e.sample_index) for e in episodes]
+        assert order == [(g, s) for g in range(3) for s in range(2)]
+        assert all(e.status == "queued" and e.attempt == 0 and e.tokens() is None for e in episodes)
+
+
+async def test_a_batch_id_is_stored_once(db: Database) -> None:
+    batch_id = await enqueue(db)
+    with pytest.raises(exc.IntegrityError):
+        async with db.sessionmaker.begin() as session:
+            await enqueue_batch(
+                session,
+                batch_id=batch_id,
+                request_hash="x",
+                env="e",
+                task_split="s",
+                metadata={},
+                episodes=[],
+            )
+
+
+async def test_claim_leases_oldest_first_in_group_order(db: Database) -> None:
+    first = await enqueue(db, groups=2, samples=2)
+    second = await enqueue(db, groups=1, samples=1)
+    before = utcnow()
+    claimed = await claim_episodes(db.sessionmaker, "w1", 3, LEASE_SECONDS)
+    assert [(c.batch_id, c.group_index, c.sample_index) for c in claimed] == [
+        (first, 0, 0),
+        (first, 0, 1),
+        (first, 1, 0),
+    ]
+    assert claimed[0].max_response_tokens == 256 and claimed[2].max_response_tokens is None
+    assert claimed[0].sampling_params == {"temperature": 1.0} and claimed[0].task_index == 10
+    rest = await claim_episodes(db.sessionmaker, "w2", 10, LEASE_SECONDS)
+    assert [(c.batch_id, c.group_index) for c in rest] == [(first, 1), (second, 0)]
+    assert await claim_episodes(db.sessionmaker, "w2", 10, LEASE_SECONDS) == []
+    assert await claim_episodes(db.sessionmaker, "w2", 0, LEASE_SECONDS) == []
+
+    async with db.sessionmaker() as session:
+        row = await session.get(Episode, claimed[0].id)
+        assert row is not None
+        assert row.status == "running" and row.lease_owner == "w1"
+        assert row.lease_expires_at is not None and row.started_at is not None
+        assert row.lease_expires_at - before >= timedelta(seconds=LEASE_SECONDS)
+        assert row.lease_expires_at.tzinfo is not None
+        assert await queue_depth(session) == 0
+
+
+async def test_renew_only_owned_running_leases(db: Database) -> None:
+    await enqueue(db, groups=1, samples=3)
+    mine = await claim_episodes(db.sessionmaker, "w1", 2, LEASE_SECONDS)
+    theirs = await claim_episodes(db.sessionmaker, "w2", 1, LEASE_SECONDS)
+    later = utcnow() + timedelta(seconds=100)
+    ids = {c.id for c in mine} | {theirs[0].id, "no-such-episode"}
+    renewed = await renew_leases(db.sessionmaker, "w1", ids, LEASE_SECONDS, now=later)
+    assert renewed == {c.id for c in mine}
+    async with db.sessionmaker() as session:
+        row = await session.get(Episode, mine[0].id)
+        assert row is not None and row.lease_expires_at == later + timedelta(seconds=LEASE_SECONDS)
+    assert await finish_episode(db.sessionmaker, "w1", mine[0].id, 0, outcome())
+    assert await renew_leases(db.sessionmaker, "w1", [mine[0].id], LEASE_SECONDS) == set()
+    assert await renew_leases(db.sessionmaker, "w1", [], LEASE_SECONDS) == set()
+
+
+async def test_finish_stores_the_outcome_once(db: Database) -> None:
+    batch_id = await enqueue(db, groups=1, samples=1)
+    (claimed,) = await claim_episodes(db.sessionmaker, "w1", 1, LEASE_SECONDS)
+    assert await finish_episode(db.sessionmaker, "w1", claimed.id, claimed.attempt, outcome(length=4))
+    assert not await finish_episode(db.sessionmaker, "w1", claimed.id, claimed.attempt, outcome(length=9))
+    async with db.sessionmaker() as session:
+        (episode,) = await load_batch_episodes(session, batch_id, with_tokens=True)
+        assert episode.status == "completed" and episode.reward == 1.0 and episode.num_turns == 1
+        assert episode.finished_at is not None and episode.lease_expires_at is None
+        assert episode.turns == [{"weight_version": "7", "finish_reason": "stop"}]
+        assert episode.info == {"reward_breakdown": {"r": 1.0}}
+        assert episode.tokens() == EpisodeTokens(
+            prompt_ids=[1, 2, 3],
+            response_ids=[100, 101, 102, 103],
+            loss_mask=[1, 1, 1, 1],
+            rollout_logprobs=[-0.25] * 4,
+        )
+        assert await batch_status_counts(session, batch_id) == {
+            "queued": 0, "running": 0, "completed": 1, "truncated": 0, "aborted": 0, "failed": 0,
+        }  # fmt: skip
+    async with db.sessionmaker() as session:
+        (light,) = await load_batch_episodes(session, batch_id, with_tokens=False)
+        assert light.reward == 1.0
+        with pytest.raises(exc.InvalidRequestError):
+            _ = light.response_ids
+
+
+async def test_finish_with_a_stale_lease_writes_nothing(db: Database) -> None:
+    await enqueue(db, groups=1, samples=1)
+    (claimed,) = await claim_episodes(db.sessionmaker, "w1", 1, LEASE_SECONDS)
+    assert not await finish_episode(db.sessionmaker, "w2", claimed.id, claimed.attempt, outcome())
+    assert not await finish_episode(db.sessionmaker, "w1", claimed.id, claimed.attempt + 1, outcome())
+
+    # The lease expires; the sweep re-queues it and another worker claims attempt 1.
+    assert await requeue_expired(db.sessionmaker, 3, now=utcnow() + timedelta(seconds=LEASE_SECONDS + 1)) == 1
+    (again,) = await claim_episodes(db.sessionmaker, "w2", 1, LEASE_SECONDS)
+    assert (again.id, again.attempt) == (claimed.id, 1)
+    assert not await finish_episode(db.sessionmaker, "w1", claimed.id, 0, outcome())
+    assert await renew_leases(db.sessionmaker, "w1", [claimed.id], LEASE_SECONDS) == set()
+    async with db.sessionmaker() as session:
+        row = await session.get(Episode, claimed.id)
+        assert row is not None and row.status == "running" and row.reward is None and row.response_ids is None
+    assert await finish_episode(db.sessionmaker, "w2", again.id, again.attempt, outcome(status="aborted"))
+
+
+async def test_expired_leases_fail_after_max_attempts(db: Database) -> None:
+    await enqueue(db, groups=1, samples=1)
+    max_attempts = 3
+    sweeps = []
+    for attempt in range(max_attempts):
+        claimed_at = utcnow()
+        (claimed,) = await claim_episodes(db.sessionmaker, f"w{attempt}", 1, LEASE_SECONDS, now=claimed_at)
+        assert claimed.attempt == attempt
+        # A sweep before the lease expires changes nothing.
+        assert await requeue_expired(db.sessionmaker, max_attempts) == 0
+        expired = claimed_at + timedelta(seconds=LEASE_SECONDS + 1)
+        sweeps.append(await requeue_expired(db.sessionmaker, max_attempts, now=expired))
+    assert sweeps == [1, 1, 1]
+    assert await claim_episodes(db.sessionmaker, "w9", 1, LEASE_SECONDS) == []
+    async with db.sessionmaker() as session:
+        row = await session.get(Episode, claimed.id)
+        assert row is not None and row.status == "failed" and row.attempt == max_attempts - 1
+        assert row.error == "lease expired on attempt 3 of 3 (worker crashed or was killed)"
+        assert row.finished_at is not None and row.lease_expires_at is None
+
+
+async def test_release_requeues_own_running_episodes(db: Database) -> None:
+    await enqueue(db, groups=2, samples=2)
+    mine = await claim_episodes(db.sessionmaker, "w1", 3, LEASE_SECONDS)
+    theirs = await claim_episodes(db.sessionmaker, "w2", 1, LEASE_SECONDS)
+    assert await finish_episode(db.sessionmaker, "w1", mine[0].id, 0, outcome())
+    assert await release_episodes(db.sessionmaker, "w1", [mine[0].id, mine[1].id, theirs[0].id]) == 1
+    assert await release_episodes(db.sessionmaker, "w1") == 1  # the rest of w1's: mine[2]
+    assert not await finish_episode(db.sessionmaker, "w1", mine[1].id, 0, outcome())
+    async with db.sessionmaker() as session:
+        rows = {e.id: e for e in (await session.scalars(select(Episode))).all()}
+    assert rows[mine[0].id].status == "completed"
+    released = rows[mine[1].id]
+    assert (released.status, released.attempt, released.lease_owner) == ("queued", 1, None)
+    assert rows[mine[2].id].status == "queued" and rows[mine[2].id].started_at is None
+    assert rows[theirs[0].id].status == "running" and rows[theirs[0].id].lease_owner == "w2"
+
+
+async def test_concurrent_claimers_never_share_an_episode(db: Database) -> None:
+    total = 120
+    await enqueue(db, groups=30, samples=4)
+    # A second engine stands for a second process: its own connections and locks.
+    other_engine = make_engine(db.url)
+    try:
+        makers = [db.sessionmaker, make_sessionmaker(other_engine)]
+
+        async def claimer(index: int) -> list[str]:
+            ids: list[str] = []
+            while batch := await claim_episodes(makers[index % 2], f"w{index}", 7, LEASE_SECONDS):
+                ids.extend(c.id for c in batch)
+            return ids
+
+        results = await asyncio.gather(*(claimer(index) for index in range(6)))
+    finally:
+        await other_engine.dispose()
+    claimed = [episode_id for ids in results for episode_id in ids]
+    assert len(claimed) == total
+    assert len(set(claimed)) == total
+    assert sum(1 for ids in results if ids) >= 2

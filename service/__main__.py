@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tasks", type=int, default=16, help="Tasks of builtin/shop's test split.")
     demo.add_argument("--samples", type=int, default=4, help="Samples per task (a GRPO group).")
     demo.add_argument("--database", default="sqlite+aiosqlite:///./demo.db")
-    sim = commands.add_parser("sim-worker", help="Serve a simulated SGLang worker (tests, demos, benchmarks).")
+    sim = commands.add_parser(
+        "sim-worker", help="Serve a simulated SGLang worker (tests, demos, benchmarks)."
+    )
     sim.add_argument("--host", default="127.0.0.1")
     sim.add_argument("--port", type=int, default=30000)
     sim.add_argument("--latency", type=float, default=0.02, help="Seconds per request.")
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(database_url=args.database, tasks=args.tasks, samples=args.samples)
     elif args.command == "sim-worker":
-        from service.engine.sim import SimConfig, main as sim_main
+        from service.engine.sim import SimConfig
+        from service.engine.sim import main as sim_main
 
         config = SimConfig(latency_seconds=args.latency)
         if args.tokenizer:

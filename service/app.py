@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import cast
 
 import httpx
 from fastapi import FastAPI
@@ -21,7 +22,7 @@ from service.envs.host import EnvHost
 from service.envs.registry import available_envs
 from service.loop.records import EpisodeResult
 from service.loop.runner import EpisodeRunner
-from service.loop.tokens import ChatTokenizer
+from service.loop.tokens import ChatTokenizer, HFTokenizer
 from service.loop.toolcalls import get_parser
 from service.metrics import Metrics
 from service.storage.db import Database
@@ -34,7 +35,8 @@ logger = logging.getLogger(__name__)
 def load_chat_tokenizer(settings: Settings) -> ChatTokenizer:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
+    # transformers' signatures are wider than the HFTokenizer protocol states; the calls match.
+    tokenizer = cast(HFTokenizer, AutoTokenizer.from_pretrained(settings.tokenizer_path))
     return ChatTokenizer(
         tokenizer,
         tool_instruction=settings.tool_instruction,
@@ -82,14 +84,18 @@ async def lifespan(settings: Settings, metrics: Metrics) -> AsyncIterator[dict[s
     try:
         if settings.run_worker:
             chat = await asyncio.to_thread(load_chat_tokenizer, settings)
-            services.env_host = EnvHost(settings.env_workers, settings.env_executor, user_sim_config(settings))
+            services.env_host = EnvHost(
+                settings.env_workers, settings.env_executor, user_sim_config(settings)
+            )
             runner = EpisodeRunner(engine, services.env_host, chat, get_parser(settings.tool_call_format))
 
             def episode_stored(claim: ClaimedEpisode, result: EpisodeResult) -> None:
                 services.metrics.episode_finished(result)
                 _notify(services.batch_finished)
 
-            services.worker = EpisodeWorker(settings, database.sessionmaker, runner, on_finished=episode_stored)
+            services.worker = EpisodeWorker(
+                settings, database.sessionmaker, runner, on_finished=episode_stored
+            )
             services.worker.start()
         yield {"services": services}
     finally:

@@ -65,7 +65,9 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(
         default=20.0, gt=0, description="An episode whose lease is not renewed for this long is re-queued."
     )
-    sweep_interval_seconds: float = Field(default=5.0, gt=0, description="How often expired leases are swept.")
+    sweep_interval_seconds: float = Field(
+        default=5.0, gt=0, description="How often expired leases are swept."
+    )
     claim_interval_seconds: float = Field(
         default=0.2, gt=0, description="Idle poll interval of the claim loop when the queue was empty."
     )
@@ -91,7 +93,9 @@ class Settings(BaseSettings):
     max_long_poll_seconds: float = Field(default=300.0, ge=0, description="Upper bound of ?wait=.")
 
     # The user simulator of LLM-driven environments (tau-bench).
-    user_sim_base_url: str = Field(default="", description="OpenAI-compatible base URL, e.g. http://h:30000/v1.")
+    user_sim_base_url: str = Field(
+        default="", description="OpenAI-compatible base URL, e.g. http://h:30000/v1."
+    )
     user_sim_model: str = Field(default="", description="Model name sent to the user simulator.")
     user_sim_api_key: str = Field(default="", description="Bearer key of the user simulator endpoint.")
     user_sim_temperature: float = Field(default=0.0, ge=0, description="Temperature of every user turn.")

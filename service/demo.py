@@ -43,7 +43,8 @@ def summarize(table: pa.Table, counts: dict[str, int], elapsed: float) -> str:
     mixed = sum(1 for rewards in groups.values() if len(set(rewards)) > 1)
     lines = [
         "",
-        f"episodes   {len(rows)} in {len(groups)} groups, {elapsed:.1f}s ({len(rows) / elapsed:.1f} episodes/s)",
+        f"episodes   {len(rows)} in {len(groups)} groups, {elapsed:.1f}s "
+        f"({len(rows) / elapsed:.1f} episodes/s)",
         "statuses   " + ", ".join(f"{status} {count}" for status, count in counts.items() if count),
         f"reward     mean {mean(row['reward'] for row in rows):.3f}; "
         f"{mixed} of {len(groups)} groups have mixed rewards (a GRPO signal)",

@@ -10,4 +10,5 @@ from service.config import Settings
 
 def openapi_yaml() -> str:
     app = create_app(Settings(run_worker=False))
-    return yaml.safe_dump(app.openapi(), sort_keys=False, allow_unicode=True, width=100)
+    text: str = yaml.safe_dump(app.openapi(), sort_keys=False, allow_unicode=True, width=100)
+    return text

@@ -42,7 +42,9 @@ async def wait_complete(client: httpx.AsyncClient, batch_id: str, seconds: float
     return batch
 
 
-async def test_submit_run_and_pull_exact_tokens(client: httpx.AsyncClient, sim: tuple[SimWorker, str]) -> None:
+async def test_submit_run_and_pull_exact_tokens(
+    client: httpx.AsyncClient, sim: tuple[SimWorker, str]
+) -> None:
     response = await client.post("/episodes", json=submission(batch_id="b-1"))
     assert response.status_code == 202, response.text
     accepted = response.json()
@@ -64,11 +66,17 @@ async def test_submit_run_and_pull_exact_tokens(client: httpx.AsyncClient, sim: 
         calls = sim_calls(sim[0], episode["id"], episode["attempt"])
         assert len(calls) == episode["num_turns"] == len(episode["weight_versions"]) > 0
         assert_trainer_contract(
-            episode["prompt_ids"], episode["response_ids"], episode["loss_mask"], episode["rollout_logprobs"], calls
+            episode["prompt_ids"],
+            episode["response_ids"],
+            episode["loss_mask"],
+            episode["rollout_logprobs"],
+            calls,
         )
         # The stored ids decode to the transcript, as one render of the chat template shows it.
         text = chat.decode(episode["prompt_ids"] + episode["response_ids"])
-        assert text.startswith(chat.render(episode["messages"][:2], tools=[{}], add_generation_prompt=True)[:20])
+        assert text.startswith(
+            chat.render(episode["messages"][:2], tools=[{}], add_generation_prompt=True)[:20]
+        )
         for message in episode["messages"]:
             assert message["content"] in text
         assert "task" in episode["info"]  # ground truth, for the trainer
@@ -102,7 +110,9 @@ async def test_resubmission_is_idempotent_and_conflicts_are_409(client: httpx.As
 
 
 async def test_concurrent_resubmissions_create_one_batch(client: httpx.AsyncClient, db: Database) -> None:
-    responses = await asyncio.gather(*(client.post("/episodes", json=submission(batch_id="race")) for _ in range(5)))
+    responses = await asyncio.gather(
+        *(client.post("/episodes", json=submission(batch_id="race")) for _ in range(5))
+    )
     assert {response.status_code for response in responses} == {202}
     assert len({tuple(response.json()["episode_ids"]) for response in responses}) == 1
     async with db.sessionmaker() as session:
@@ -136,7 +146,9 @@ async def test_bad_input_names_the_field_and_writes_nothing(
 
 
 async def test_malformed_json_and_oversized_bodies(client: httpx.AsyncClient) -> None:
-    malformed = await client.post("/episodes", content=b"{not json", headers={"content-type": "application/json"})
+    malformed = await client.post(
+        "/episodes", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert malformed.status_code == 422
     assert "JSON" in malformed.json()["detail"]
     huge = {"metadata": {"blob": "x" * 2_000_000}}
@@ -176,3 +188,17 @@ async def test_long_poll_returns_when_complete(client: httpx.AsyncClient) -> Non
     batch = await wait_complete(client, "poll", seconds=30)
     assert loop.time() - started < 29
     assert len(batch["episodes"]) == 2
+
+
+async def test_json_batch_with_tokens_matches_episodes(client: httpx.AsyncClient) -> None:
+    await client.post("/episodes", json=submission(batch_id="tok", task_indices=[4]))
+    await wait_complete(client, "tok")
+    batch = (await client.get("/batches/tok", params={"include_tokens": "true"})).json()
+    assert len(batch["episodes"]) == 2
+    for entry in batch["episodes"]:
+        episode = (await client.get(f"/episodes/{entry['id']}")).json()
+        for key in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "weight_versions"):
+            assert entry[key] == episode[key]
+        assert entry["response_length"] == len(episode["response_ids"])
+    plain = (await client.get("/batches/tok")).json()
+    assert "response_ids" not in plain["episodes"][0]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from itertools import cycle, islice
 import random
 from dataclasses import dataclass, field
+from itertools import cycle, islice
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +23,7 @@ from service.loop.records import EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.loop.runner import EpisodeRunner
 from service.loop.toolcalls import get_parser
 from tests.contract import GenerateCall, assert_trainer_contract
-from tests.tokenizer_helpers import chat_tokenizer, noncanonical_ids, load_test_tokenizer
+from tests.tokenizer_helpers import chat_tokenizer, load_test_tokenizer, noncanonical_ids
 
 IM_END = "<|im_end|>"
 text = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=60).filter(
@@ -43,7 +43,11 @@ class PlannedTurn:
 @st.composite
 def planned_turns(draw: st.DrawFn) -> PlannedTurn:
     kind = draw(st.sampled_from(["tool", "tool", "respond", "malformed"]))
-    finish = draw(st.sampled_from(["stop_with_token", "stop_with_token", "stop_without_token", "length", "abort"]))
+    finish = draw(
+        st.sampled_from(
+            ["stop_with_token", "stop_with_token", "stop_without_token", "length", "length_at_eot", "abort"]
+        )
+    )
     return PlannedTurn(kind, draw(text), finish, draw(text), draw(st.integers(0, 2**32)))
 
 
@@ -70,6 +74,9 @@ class RecordingEngine:
         elif plan.finish == "abort":
             ids = ids[: len(ids) // 3]
             finish = {"type": "abort", "message": "aborted by test"}
+        elif plan.finish == "length_at_eot":  # the end of turn was the last allowed token
+            ids = [*ids, load_test_tokenizer().convert_tokens_to_ids(IM_END)]
+            finish = {"type": "length", "length": len(ids)}
         else:
             im_end = load_test_tokenizer().convert_tokens_to_ids(IM_END)
             if plan.finish == "stop_with_token":
@@ -88,6 +95,9 @@ class RecordingEngine:
         )
         self.calls.append((list(input_ids), generation))
         return generation
+
+    async def abort(self, rid: str) -> None:
+        raise AssertionError(f"nothing is cancelled in these tests, yet {rid} was aborted")
 
 
 @dataclass
@@ -170,7 +180,7 @@ def test_invariants_hold_for_any_conversation(
     assert [turn.weight_version for turn in result.turns] == [f"v{i}" for i in range(len(engine.calls))]
     if last.finish_type == "abort":
         assert result.status is EpisodeStatus.ABORTED
-    elif last.finish_type == "length":
+    elif last.finish_type == "length" and last.output_ids[-1:] != chat_tokenizer().close_ids[:1]:
         assert result.status is EpisodeStatus.TRUNCATED
     elif result.status is EpisodeStatus.COMPLETED:
         assert result.reward == 1.0

@@ -10,15 +10,16 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Path, Query, Response
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import defer
 
 from service.api.arrow import ARROW_STREAM_MEDIA_TYPE, episodes_to_arrow
 from service.api.deps import ServicesDep
+from service.api.episodes import summarize, token_fields
 from service.api.errors import NotFound, responses
-from service.api.episodes import summarize
-from service.api.schemas import BatchOut, EpisodeSummary
+from service.api.schemas import BatchOut, EpisodeSummary, EpisodeWithTokens
 from service.app_state import Services
 from service.loop.records import FINISHED_STATUSES
-from service.storage.batches import batch_status_counts, get_batch, load_batch_episodes
+from service.storage.batches import TOKEN_COLUMNS, batch_status_counts, get_batch, load_batch_episodes
 from service.storage.models import Batch, Episode
 
 router = APIRouter(tags=["batches"])
@@ -53,45 +54,49 @@ def complete_groups(statuses: list[tuple[int, str]]) -> set[int]:
     return {group for group, pending in unfinished.items() if not pending}
 
 
-async def _summaries(session: AsyncSession, batch_id: str) -> tuple[list[EpisodeSummary], int, int]:
-    rows = (
-        await session.execute(
-            select(
-                Episode,
-                func.length(Episode.prompt_ids).label("prompt_bytes"),
-                func.length(Episode.response_ids).label("response_bytes"),
-            )
-            .where(Episode.batch_id == batch_id)
-            .order_by(Episode.group_index, Episode.sample_index)
-            .options(*_without_tokens())
+async def _summaries(
+    session: AsyncSession, batch_id: str, include_tokens: bool
+) -> tuple[list[EpisodeWithTokens] | list[EpisodeSummary], int, int]:
+    statement = (
+        select(
+            Episode,
+            func.length(Episode.prompt_ids).label("prompt_bytes"),
+            func.length(Episode.response_ids).label("response_bytes"),
         )
-    ).all()
+        .where(Episode.batch_id == batch_id)
+        .order_by(Episode.group_index, Episode.sample_index)
+        .options(defer(Episode.messages, raiseload=True), defer(Episode.info, raiseload=True))
+    )
+    if not include_tokens:
+        statement = statement.options(*(defer(column, raiseload=True) for column in TOKEN_COLUMNS))
+    rows = (await session.execute(statement)).all()
     groups = complete_groups([(row.Episode.group_index, row.Episode.status) for row in rows])
     summaries = [
-        EpisodeSummary(
-            **summarize(
-                row.Episode,
-                prompt_length=None if row.prompt_bytes is None else row.prompt_bytes // BYTES_PER_ID,
-                response_length=None if row.response_bytes is None else row.response_bytes // BYTES_PER_ID,
-            )
+        summarize(
+            row.Episode,
+            prompt_length=None if row.prompt_bytes is None else row.prompt_bytes // BYTES_PER_ID,
+            response_length=None if row.response_bytes is None else row.response_bytes // BYTES_PER_ID,
         )
         for row in rows
         if row.Episode.group_index in groups
     ]
     total_groups = len({row.Episode.group_index for row in rows})
-    return summaries, len(groups), total_groups
+    if not include_tokens:
+        return [EpisodeSummary(**summary) for summary in summaries], len(groups), total_groups
+    episodes = [row.Episode for row in rows if row.Episode.group_index in groups]
+    with_tokens = [
+        EpisodeWithTokens(**summary, **token_fields(episode))
+        for summary, episode in zip(summaries, episodes, strict=True)
+    ]
+    return with_tokens, len(groups), total_groups
 
 
-def _without_tokens() -> list[Any]:
-    from sqlalchemy.orm import defer
-
-    return [
-        defer(column, raiseload=True)
-        for column in (Episode.prompt_ids, Episode.response_ids, Episode.loss_mask, Episode.rollout_logprobs)
-    ] + [defer(Episode.messages, raiseload=True), defer(Episode.info, raiseload=True)]
-
-
-def _batch_out(batch: Batch, counts: dict[str, int], summaries: list[EpisodeSummary], groups: tuple[int, int]) -> BatchOut:
+def _batch_out(
+    batch: Batch,
+    counts: dict[str, int],
+    summaries: list[EpisodeWithTokens] | list[EpisodeSummary],
+    groups: tuple[int, int],
+) -> BatchOut:
     total = sum(counts.values())
     finished = sum(counts[status] for status in FINISHED_STATUSES)
     return BatchOut(
@@ -126,7 +131,10 @@ def _batch_out(batch: Batch, counts: dict[str, int], summaries: list[EpisodeSumm
 async def get_batch_results(
     services: ServicesDep,
     batch_id: Annotated[str, Path(max_length=128)],
-    wait: Annotated[float, Query(ge=0, description="Long-poll: seconds to wait for the batch to complete.")] = 0,
+    wait: Annotated[
+        float, Query(ge=0, description="Long-poll: seconds to wait for the batch to complete.")
+    ] = 0,
+    include_tokens: Annotated[bool, Query(description="JSON: add each episode's token arrays.")] = False,
     accept: Annotated[str, Header()] = "application/json",
 ) -> Any:
     """Counts by status and the episodes of complete groups (a GRPO group arrives whole)."""
@@ -144,5 +152,5 @@ async def get_batch_results(
             groups = complete_groups([(episode.group_index, episode.status) for episode in episodes])
             body = episodes_to_arrow([episode for episode in episodes if episode.group_index in groups])
             return Response(content=body, media_type=ARROW_STREAM_MEDIA_TYPE)
-        summaries, groups_complete, groups_total = await _summaries(session, batch_id)
+        summaries, groups_complete, groups_total = await _summaries(session, batch_id, include_tokens)
     return _batch_out(batch, counts, summaries, (groups_complete, groups_total))

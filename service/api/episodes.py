@@ -29,7 +29,9 @@ def request_hash(body: SubmitEpisodes) -> str:
 def validate_submission(body: SubmitEpisodes, services: Services) -> None:
     spec = services.envs.get(body.env)
     if spec is None:
-        raise InvalidRequest.field(["env"], f"unknown environment {body.env!r}; known: {sorted(services.envs)}")
+        raise InvalidRequest.field(
+            ["env"], f"unknown environment {body.env!r}; known: {sorted(services.envs)}"
+        )
     if body.task_split not in spec.splits:
         raise InvalidRequest.field(
             ["task_split"], f"{body.env} has no split {body.task_split!r}; known: {sorted(spec.splits)}"
@@ -50,7 +52,9 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> None:
 
 async def _episode_ids(session: SessionDep, batch_id: str) -> list[str]:
     rows = await session.scalars(
-        select(Episode.id).where(Episode.batch_id == batch_id).order_by(Episode.group_index, Episode.sample_index)
+        select(Episode.id)
+        .where(Episode.batch_id == batch_id)
+        .order_by(Episode.group_index, Episode.sample_index)
     )
     return list(rows)
 
@@ -112,9 +116,7 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep) -> Submit
     return SubmitAccepted(batch_id=batch_id, episode_ids=episode_ids, created=created)
 
 
-async def valid_episode(
-    episode_id: Annotated[str, Path(max_length=128)], session: SessionDep
-) -> Episode:
+async def valid_episode(episode_id: Annotated[str, Path(max_length=128)], session: SessionDep) -> Episode:
     episode = await session.get(Episode, episode_id)
     if episode is None:
         raise NotFound(f"no episode {episode_id!r}")
@@ -137,6 +139,17 @@ def summarize(episode: Episode, *, prompt_length: int | None, response_length: i
     }
 
 
+def token_fields(episode: Episode) -> dict[str, Any]:
+    tokens = episode.tokens()
+    return {
+        "prompt_ids": tokens.prompt_ids if tokens else None,
+        "response_ids": tokens.response_ids if tokens else None,
+        "loss_mask": tokens.loss_mask if tokens else None,
+        "rollout_logprobs": tokens.rollout_logprobs if tokens else None,
+        "weight_versions": [turn.get("weight_version") for turn in episode.turns or []],
+    }
+
+
 @router.get(
     "/episodes/{episode_id}",
     operation_id="get_episode",
@@ -145,26 +158,22 @@ def summarize(episode: Episode, *, prompt_length: int | None, response_length: i
 )
 async def get_episode(episode: Annotated[Episode, Depends(valid_episode)]) -> EpisodeDetail:
     """One episode with its token arrays as JSON lists, its transcript, env info and turns."""
-    tokens = episode.tokens()
+    tokens = token_fields(episode)
     turns = [TurnOut(**turn) for turn in episode.turns or []]
     return EpisodeDetail(
         **summarize(
             episode,
-            prompt_length=len(tokens.prompt_ids) if tokens else None,
-            response_length=len(tokens.response_ids) if tokens else None,
+            prompt_length=None if tokens["prompt_ids"] is None else len(tokens["prompt_ids"]),
+            response_length=None if tokens["response_ids"] is None else len(tokens["response_ids"]),
         ),
+        **tokens,
         batch_id=episode.batch_id,
         env=episode.env,
         task_split=episode.task_split,
         sampling_params=episode.sampling_params,
         max_turns=episode.max_turns,
-        prompt_ids=tokens.prompt_ids if tokens else None,
-        response_ids=tokens.response_ids if tokens else None,
-        loss_mask=tokens.loss_mask if tokens else None,
-        rollout_logprobs=tokens.rollout_logprobs if tokens else None,
         messages=episode.messages,
         info=episode.info,
-        weight_versions=[turn.weight_version for turn in turns],
         finish_reasons=[turn.finish_reason for turn in turns],
         turns=turns,
         created_at=episode.created_at,

@@ -87,19 +87,26 @@ class EpisodeSummary(BaseModel):
     error: str | None
 
 
-class EpisodeDetail(EpisodeSummary):
+class EpisodeTokensOut(BaseModel):
+    prompt_ids: list[int] | None
+    response_ids: list[int] | None
+    loss_mask: list[int] | None
+    rollout_logprobs: list[float] | None
+    weight_versions: list[str | None]
+
+
+class EpisodeWithTokens(EpisodeSummary, EpisodeTokensOut):
+    """A batch entry with `include_tokens=true`."""
+
+
+class EpisodeDetail(EpisodeWithTokens):
     batch_id: str
     env: str
     task_split: str
     sampling_params: dict[str, Any]
     max_turns: int
-    prompt_ids: list[int] | None
-    response_ids: list[int] | None
-    loss_mask: list[int] | None
-    rollout_logprobs: list[float] | None
     messages: list[dict[str, Any]] | None
     info: dict[str, Any] | None
-    weight_versions: list[str | None]
     finish_reasons: list[dict[str, Any]]
     turns: list[TurnOut]
     created_at: datetime
@@ -119,8 +126,9 @@ class BatchOut(BaseModel):
     complete: bool = Field(description="Every episode has a final status.")
     groups_total: int
     groups_complete: int
-    episodes: list[EpisodeSummary] = Field(
-        description="Episodes of complete groups only: a group arrives whole, once all its samples ended."
+    episodes: list[EpisodeWithTokens] | list[EpisodeSummary] = Field(
+        description="Episodes of complete groups only: a group arrives whole, once all its samples ended. "
+        "With include_tokens=true each carries its token arrays."
     )
 
 

@@ -189,10 +189,16 @@ class SGLangClient:
         self._http = http
         self.base_url = base_url.rstrip("/")
         self._inflight = asyncio.BoundedSemaphore(max_inflight)
+        self._max_inflight = max_inflight
         self._retries = retries
         self._backoff_seconds = backoff_seconds
         self._timeout_seconds = timeout_seconds
         self._worker_urls = [url.rstrip("/") for url in worker_urls or []]
+
+    @property
+    def inflight(self) -> int:
+        """Generate calls holding a slot now (waiting ones excluded)."""
+        return self._max_inflight - self._inflight._value
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> Generation:
         """One generation from exactly `input_ids`. Retries transient failures with exponential backoff."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class EpisodeStatus(str, Enum):
+class EpisodeStatus(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     COMPLETED = "completed"  # the environment said done
@@ -20,7 +20,7 @@ class EpisodeStatus(str, Enum):
         return self not in (EpisodeStatus.QUEUED, EpisodeStatus.RUNNING)
 
 
-FINISHED_STATUSES = [status.value for status in EpisodeStatus if status.finished]
+FINISHED_STATUSES = frozenset(status for status in EpisodeStatus if status.finished)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any, Protocol
@@ -21,7 +22,11 @@ INFRASTRUCTURE_ENV_ERRORS = ("UserSimulatorError",)
 
 
 class Engine(Protocol):
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> Generation: ...
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str
+    ) -> Generation: ...
+
+    async def abort(self, rid: str) -> None: ...
 
 
 class EnvSession(Protocol):
@@ -47,6 +52,15 @@ class EpisodeRunner:
         self.parser = parser
 
     async def run(self, spec: EpisodeSpec) -> EpisodeResult:
+        try:
+            return await self._run(spec)
+        except asyncio.CancelledError:
+            # Shutdown or a lost lease: free the engine of this attempt's request (abort matches
+            # rids by prefix; the colon keeps attempt 1 from matching attempt 10).
+            await asyncio.shield(self.engine.abort(f"{spec.episode_id}:{spec.attempt}:"))
+            raise
+
+    async def _run(self, spec: EpisodeSpec) -> EpisodeResult:
         episode = _Episode(spec)
         try:
             session = await self.envs.open(spec.env, spec.task_split, f"{spec.episode_id}:{spec.attempt}")
@@ -116,9 +130,14 @@ class EpisodeRunner:
         trajectory.add_context(self.chat.closing_ids(generation.output_ids))
 
         if generation.finish_type == "abort":
-            episode.note = f"engine aborted the request: {generation.finish_reason.get('message', '')}".strip()
+            episode.note = (
+                f"engine aborted the request: {generation.finish_reason.get('message', '')}".strip()
+            )
             return EpisodeStatus.ABORTED
-        if generation.finish_type == "length":
+        # SGLang checks the length limit first: a turn whose last allowed token ended it says
+        # "length" yet is whole. Only a turn without its end-of-turn token is cut.
+        ended_turn = len(self.chat.closing_ids(generation.output_ids)) < len(self.chat.close_ids)
+        if generation.finish_type == "length" and not ended_turn:
             episode.note = f"turn {turn} hit max_new_tokens={max_new_tokens}"
             return EpisodeStatus.TRUNCATED
         try:

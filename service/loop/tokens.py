@@ -72,7 +72,9 @@ class ChatTokenizer:
         self.tool_instruction = tool_instruction
         self.template_tool_instruction = template_tool_instruction
         prefix_with_header = self.render(PROBE_PREFIX, add_generation_prompt=True)
-        self._after_probe_assistant = self.render([*PROBE_PREFIX, PROBE_ASSISTANT], add_generation_prompt=False)
+        self._after_probe_assistant = self.render(
+            [*PROBE_PREFIX, PROBE_ASSISTANT], add_generation_prompt=False
+        )
         opened = prefix_with_header + PROBE_ASSISTANT["content"]
         if not self._after_probe_assistant.startswith(opened):
             raise ChatTemplateError(
@@ -132,5 +134,7 @@ class ChatTokenizer:
         """Ids of a user or tool message that follows an assistant turn, plus the next header."""
         text = self.render([*PROBE_PREFIX, PROBE_ASSISTANT, message], add_generation_prompt=True)
         if not text.startswith(self._after_probe_assistant):
-            raise ChatTemplateError(f"rendering a {message['role']!r} message rewrites the conversation before it")
+            raise ChatTemplateError(
+                f"rendering a {message['role']!r} message rewrites the conversation before it"
+            )
         return self.encode(text[len(self._after_probe_assistant) :])

@@ -19,7 +19,7 @@ from sqlalchemy.orm import defer
 from service.storage.db import utcnow
 from service.storage.models import Batch, Episode, EpisodeStatus
 
-_TOKEN_COLUMNS = (Episode.prompt_ids, Episode.response_ids, Episode.loss_mask, Episode.rollout_logprobs)
+TOKEN_COLUMNS = (Episode.prompt_ids, Episode.response_ids, Episode.loss_mask, Episode.rollout_logprobs)
 
 
 @dataclass(frozen=True)
@@ -136,5 +136,5 @@ async def load_batch_episodes(
         .order_by(Episode.group_index, Episode.sample_index)
     )
     if not with_tokens:
-        statement = statement.options(*(defer(column, raiseload=True) for column in _TOKEN_COLUMNS))
+        statement = statement.options(*(defer(column, raiseload=True) for column in TOKEN_COLUMNS))
     return list(await session.scalars(statement))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -24,7 +23,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from service.loop.records import FINISHED_STATUSES, EpisodeStatus
 from service.storage import blobs
+
+__all__ = ["FINISHED_STATUSES", "Base", "Batch", "Episode", "EpisodeStatus", "EpisodeTokens"]
 
 # Explicit constraint names, so migrations can drop and alter them on every backend.
 NAMING_CONVENTION = {
@@ -34,20 +36,6 @@ NAMING_CONVENTION = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
-
-
-class EpisodeStatus(enum.StrEnum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    COMPLETED = "completed"
-    TRUNCATED = "truncated"
-    ABORTED = "aborted"
-    FAILED = "failed"
-
-
-FINISHED_STATUSES = frozenset(
-    {EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED, EpisodeStatus.ABORTED, EpisodeStatus.FAILED}
-)
 
 
 class UTCDateTime(TypeDecorator[datetime]):

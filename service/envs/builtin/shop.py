@@ -63,8 +63,14 @@ def _tool(name: str, description: str, **params: str) -> dict[str, Any]:
 
 TOOLS = [
     _tool("find_user_id_by_email", "Find a user's id from their email.", email="The user's email."),
-    _tool("get_user_details", "Get a user's profile and order ids.", user_id="The user id, e.g. 'ana_silva_7'."),
-    _tool("get_order_details", "Get an order's status, items and address.", order_id="The order id, e.g. '#W1003'."),
+    _tool(
+        "get_user_details", "Get a user's profile and order ids.", user_id="The user id, e.g. 'ana_silva_7'."
+    ),
+    _tool(
+        "get_order_details",
+        "Get an order's status, items and address.",
+        order_id="The order id, e.g. '#W1003'.",
+    ),
     _tool(
         "cancel_pending_order",
         "Cancel a pending order.",
@@ -77,7 +83,9 @@ TOOLS = [
         order_id="The order id.",
         address="The full new address.",
     ),
-    _tool("transfer_to_human_agents", "Transfer the user to a human agent.", summary="A summary of the issue."),
+    _tool(
+        "transfer_to_human_agents", "Transfer the user to a human agent.", summary="A summary of the issue."
+    ),
 ]
 
 
@@ -93,8 +101,8 @@ def _generate_database() -> dict[str, Any]:
         first, last = rng.choice(FIRST_NAMES), rng.choice(LAST_NAMES)
         user_id = f"{first.lower()}_{last.lower()}_{number}"
         address = f"{rng.randint(1, 999)} {rng.choice(STREETS)}, {rng.choice(CITIES)}"
-        user = {"name": f"{first} {last}", "email": f"{first}.{last}{number}@example.com".lower()}
-        user |= {"address": address, "orders": []}
+        email = f"{first}.{last}{number}@example.com".lower()
+        user: dict[str, Any] = {"name": f"{first} {last}", "email": email, "address": address, "orders": []}
         for _ in range(rng.randint(1, 3)):
             order_id = f"#W{1000 + len(orders)}"
             items = sorted(rng.sample(sorted(PRODUCTS), rng.randint(1, 3)))
@@ -181,7 +189,9 @@ def _get_order(database: dict[str, Any], order_id: str) -> str:
     if order_id not in database["orders"]:
         raise ToolError(f"order {order_id} not found")
     order = database["orders"][order_id]
-    items = [{"product_id": pid, "name": PRODUCTS[pid][0], "price": PRODUCTS[pid][1]} for pid in order["items"]]
+    items = [
+        {"product_id": pid, "name": PRODUCTS[pid][0], "price": PRODUCTS[pid][1]} for pid in order["items"]
+    ]
     return _json({**order, "order_id": order_id, "items": items})
 
 

@@ -1,0 +1,285 @@
+"""Thousands of concurrent builtin/shop episodes through the real service against a slow engine.
+
+The simulated SGLang worker runs in its own process (`python -m service sim-worker`) with a fixed
+latency per /generate, so every turn costs at least that latency. The service runs in this
+process (create_app with its worker, SQLite in a temp dir) and gets one batch of N episodes.
+Ideal: all N run in parallel and each turn costs exactly the latency, so the batch takes
+max(turns) x latency. Measured: wall time, episodes/s and turns/s against that ideal, and the
+event-loop lag of the service's loop (a probe coroutine sleeps 10 ms in a loop and records the
+overshoot), against the same probe on the idle loop before the service starts.
+
+Run from the repo root:
+    .venv/bin/python bench/concurrency.py [--episodes 2000] [--latency 0.5] [--env-executor thread]
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import httpx
+
+from service.app import create_app
+from service.config import Settings
+from service.serving import serve_app
+from service.storage.db import run_migrations
+
+PROBE_INTERVAL = 0.010
+IDLE_PROBE_SECONDS = 2.0
+SIM_START_TIMEOUT = 30.0
+SHOP_TEST_TASKS = 50
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_seconds_of(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc); 0.0 elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds(pid: int, exclude: int) -> float:
+    """CPU seconds of the live child processes of `pid` (the env worker pool), but `exclude`."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children = [int(child) for child in task.read_text().split()]
+            total += sum(cpu_seconds_of(child) for child in children if child != exclude)
+        except OSError:
+            continue
+    return total
+
+
+@contextmanager
+def sim_worker(latency: float) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service", "sim-worker", "--port", str(port), "--latency", str(latency)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "LOG_LEVEL": "WARNING"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SIM_START_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"sim worker exited: {process.stderr.read().decode() if process.stderr else ''}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("sim worker did not become healthy")
+            time.sleep(0.1)
+        yield url, process
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class LagProbe:
+    """Sleeps PROBE_INTERVAL in a loop on the running loop and records how late it wakes up."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await asyncio.sleep(PROBE_INTERVAL)
+            self.lags.append(max(0.0, loop.time() - started - PROBE_INTERVAL))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> dict[str, float]:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        return lag_stats(self.lags)
+
+
+def lag_stats(lags: list[float]) -> dict[str, float]:
+    if not lags:
+        return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0, "samples": 0}
+    ordered = sorted(lags)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+    return {"p50_ms": round(pct(0.50), 2), "p99_ms": round(pct(0.99), 2), "max_ms": round(ordered[-1] * 1e3, 2),
+            "samples": len(ordered)}
+
+
+async def _run(
+    *, episodes: int, latency: float, sim_url: str, sim_pid: int, database_url: str, executor: str, workers: int
+) -> dict[str, Any]:
+    idle = LagProbe()
+    idle.start()
+    await asyncio.sleep(IDLE_PROBE_SECONDS)
+    idle_stats = await idle.stop()
+
+    settings = Settings(
+        database_url=database_url,
+        sglang_url=sim_url,
+        api_keys="",
+        run_worker=True,
+        env_executor=executor,
+        env_workers=workers,
+        max_running_episodes=max(episodes, 2048),
+        max_inflight_generates=max(episodes, 2048),
+        log_level="WARNING",
+    )
+    samples = max(1, episodes // SHOP_TEST_TASKS)
+    tasks = min(episodes, SHOP_TEST_TASKS)
+    total = tasks * samples
+    async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=600) as client:
+        probe = LagProbe()
+        probe.start()
+        cpu0, sim_cpu0, env_cpu0 = time.process_time(), cpu_seconds_of(sim_pid), children_cpu_seconds(os.getpid(), sim_pid)
+        started = time.perf_counter()
+        response = await client.post(
+            "/episodes",
+            json={
+                "env": "builtin/shop",
+                "task_split": "test",
+                "task_indices": list(range(tasks)),
+                "samples_per_task": samples,
+                "sampling_params": {"temperature": 1.0, "max_new_tokens": 256},
+                "max_turns": 12,
+            },
+        )
+        response.raise_for_status()
+        batch_id = response.json()["batch_id"]
+        submitted = time.perf_counter() - started
+        while True:
+            batch = (await client.get(f"/batches/{batch_id}", params={"wait": 5})).json()
+            if batch["complete"]:
+                break
+        wall = time.perf_counter() - started
+        env_cpu = children_cpu_seconds(os.getpid(), sim_pid) - env_cpu0
+        service_cpu = time.process_time() - cpu0
+        sim_cpu = cpu_seconds_of(sim_pid) - sim_cpu0
+        loop_stats = await probe.stop()
+
+    statuses = {status: count for status, count in batch["counts"].items() if count}
+    turns = [episode["num_turns"] or 0 for episode in batch["episodes"]]
+    attempts = Counter(episode["attempt"] for episode in batch["episodes"])
+    total_turns = sum(turns)
+    max_turns = max(turns, default=0)
+    ideal_wall = max_turns * latency
+    return {
+        "episodes": total,
+        "latency_s": latency,
+        "env_executor": executor,
+        "env_workers": workers,
+        "wall_s": round(wall, 3),
+        "submit_s": round(submitted, 3),
+        "episodes_per_s": round(total / wall, 2),
+        "ideal_wall_s": round(ideal_wall, 3),
+        "ideal_episodes_per_s": round(total / ideal_wall, 2) if ideal_wall else None,
+        "efficiency": round(ideal_wall / wall, 4) if ideal_wall else None,
+        "turns": total_turns,
+        "turns_per_s": round(total_turns / wall, 2),
+        "ideal_turns_per_s": round(total_turns / ideal_wall, 2) if ideal_wall else None,
+        "mean_turns": round(total_turns / max(len(turns), 1), 2),
+        "max_turns": max_turns,
+        "loop_lag_p50_ms": loop_stats["p50_ms"],
+        "loop_lag_p99_ms": loop_stats["p99_ms"],
+        "loop_lag_max_ms": loop_stats["max_ms"],
+        "idle_loop_lag_p50_ms": idle_stats["p50_ms"],
+        "idle_loop_lag_p99_ms": idle_stats["p99_ms"],
+        "idle_loop_lag_max_ms": idle_stats["max_ms"],
+        "loop_lag_p99_ratio": round(loop_stats["p99_ms"] / max(idle_stats["p99_ms"], 0.01), 1),
+        "service_cpu_s": round(service_cpu, 2),
+        "env_workers_cpu_s": round(env_cpu, 2),
+        "sim_cpu_s": round(sim_cpu, 2),
+        "cpus": os.cpu_count(),
+        "statuses": statuses,
+        "attempts": {str(key): value for key, value in sorted(attempts.items())},
+    }
+
+
+def run_bench(
+    episodes: int = 2000, latency: float = 0.5, executor: str = "thread", workers: int = 2
+) -> dict[str, Any]:
+    logging.getLogger().setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp, sim_worker(latency) as (sim_url, sim):
+        database_url = f"sqlite+aiosqlite:///{tmp}/bench.db"
+        run_migrations(database_url)
+        return asyncio.run(
+            _run(episodes=episodes, latency=latency, sim_url=sim_url, sim_pid=sim.pid, database_url=database_url,
+                 executor=executor, workers=workers)
+        )
+
+
+def report(result: dict[str, Any]) -> str:
+    return "\n".join([
+        f"{result['episodes']} episodes of builtin/shop, engine latency {result['latency_s']} s per generate, "
+        f"env executor {result['env_executor']} x {result['env_workers']}, {result['cpus']} CPUs",
+        f"wall      {result['wall_s']:.2f} s (ideal {result['ideal_wall_s']:.2f} s = {result['max_turns']} turns x "
+        f"latency); efficiency {result['efficiency']:.1%}",
+        f"rate      {result['episodes_per_s']:.1f} episodes/s (ideal {result['ideal_episodes_per_s']:.1f}), "
+        f"{result['turns_per_s']:.1f} turns/s (ideal {result['ideal_turns_per_s']:.1f}); "
+        f"{result['mean_turns']:.2f} turns per episode",
+        f"loop lag  p50 {result['loop_lag_p50_ms']:.1f} ms, p99 {result['loop_lag_p99_ms']:.1f} ms, max "
+        f"{result['loop_lag_max_ms']:.1f} ms (idle: p50 {result['idle_loop_lag_p50_ms']:.2f}, p99 "
+        f"{result['idle_loop_lag_p99_ms']:.2f}, max {result['idle_loop_lag_max_ms']:.2f})",
+        f"CPU       service {result['service_cpu_s']:.1f} s, env workers {result['env_workers_cpu_s']:.1f} s, "
+        f"sim worker {result['sim_cpu_s']:.1f} s over {result['wall_s']:.1f} s wall",
+        f"statuses  {result['statuses']}; attempts {result['attempts']}",
+    ])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--episodes", type=int, default=2000)
+    parser.add_argument("--latency", type=float, default=0.5)
+    parser.add_argument("--env-executor", choices=["thread", "process"], default="thread")
+    parser.add_argument("--env-workers", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="50 episodes, 0.05 s latency (smoke test)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.episodes, args.latency = 50, 0.05
+    result = run_bench(args.episodes, args.latency, args.env_executor, args.env_workers)
+    print(report(result))
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

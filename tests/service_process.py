@@ -1,0 +1,169 @@
+"""The service as a real OS process (`python -m service serve`), for crash, shutdown and multi-process
+tests: started in its own session so that it and its env worker processes die together."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import select
+
+from service.engine.sim import SimConfig, SimWorker, create_sim_app, serve_in_thread
+from service.storage.db import Database
+from service.storage.models import Episode
+
+REPO_DIR = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_SECONDS = 60.0
+POLL_SECONDS = 0.05
+FINISHED = {"completed", "truncated", "aborted", "failed"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@asynccontextmanager
+async def simulated_sglang(latency_seconds: float) -> AsyncIterator[tuple[SimWorker, str]]:
+    worker = SimWorker(SimConfig(latency_seconds=latency_seconds))
+    with serve_in_thread(create_sim_app(worker.config, worker=worker)) as url:
+        yield worker, url
+
+
+class ServiceProcess:
+    """One `python -m service serve` process on a free port; its stderr (JSON log lines) goes to a file."""
+
+    def __init__(self, process: asyncio.subprocess.Process, url: str, log_path: Path) -> None:
+        self.process = process
+        self.url = url
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        lines = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                lines.append({"message": line})
+        return lines
+
+    def log_tail(self, count: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-count:])
+
+    async def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_SECONDS) -> None:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(base_url=self.url, timeout=2) as http:
+            while time.monotonic() < deadline:
+                if self.process.returncode is not None:
+                    raise AssertionError(f"service exited with {self.process.returncode}:\n{self.log_tail()}")
+                try:
+                    if (await http.get("/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
+        raise AssertionError(f"service not healthy after {timeout} s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group: the server and its env worker processes."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def terminate(self) -> None:
+        """SIGTERM to the server only, as an orchestrator stopping a container sends it."""
+        self.process.send_signal(signal.SIGTERM)
+
+    async def wait_exit(self, timeout: float) -> int:
+        return await asyncio.wait_for(self.process.wait(), timeout)
+
+
+@asynccontextmanager
+async def service_process(
+    log_dir: Path, database_url: str, sglang_url: str, name: str = "service", **env: object
+) -> AsyncIterator[ServiceProcess]:
+    """Starts the service and waits for /health; always kills its process group on exit."""
+    port = free_port()
+    environment = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "SGLANG_URL": sglang_url,
+        "API_KEYS": "",
+        "LOG_LEVEL": "INFO",
+        **{key.upper(): str(value) for key, value in env.items()},
+    }
+    log_path = log_dir / f"{name}-{port}.log"
+    with log_path.open("wb") as log:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port),
+            cwd=REPO_DIR, env=environment, stdin=asyncio.subprocess.DEVNULL,
+            stdout=log, stderr=log, start_new_session=True,
+        )  # fmt: skip
+    service = ServiceProcess(process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        await service.wait_healthy()
+        yield service
+    finally:
+        service.kill()
+        await asyncio.wait_for(process.wait(), 30)
+
+
+async def wait_for(condition: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(POLL_SECONDS)
+
+
+async def episodes_of(db: Database, batch_id: str) -> list[Episode]:
+    async with db.sessionmaker() as session:
+        statement = (
+            select(Episode)
+            .where(Episode.batch_id == batch_id)
+            .order_by(Episode.group_index, Episode.sample_index)
+        )
+        return list(await session.scalars(statement))
+
+
+async def wait_batch_finished(db: Database, batch_id: str, timeout: float) -> list[Episode]:
+    async def finished() -> bool:
+        return all(episode.status in FINISHED for episode in await episodes_of(db, batch_id))
+
+    await wait_for(finished, timeout, f"batch {batch_id} to finish")
+    return await episodes_of(db, batch_id)
+
+
+def attempts_seen(sim: SimWorker, episode_id: str) -> set[int]:
+    """The attempts of an episode that sent at least one generate call (rid "<id>:<attempt>:<turn>")."""
+    return {int(r.rid.split(":")[1]) for r in sim.requests if r.rid.startswith(f"{episode_id}:")}
+
+
+def submission(batch_id: str, tasks: int, samples: int, **overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "batch_id": batch_id,
+        "env": "builtin/shop",
+        "task_split": "test",
+        "task_indices": list(range(tasks)),
+        "samples_per_task": samples,
+        "sampling_params": {"temperature": 0.7, "max_new_tokens": 200},
+        "max_turns": 10,
+    }
+    body.update(overrides)
+    return body

@@ -1,0 +1,84 @@
+"""SIGKILL of a serving process mid-batch: a new process finishes every episode exactly once, and no
+token of the killed attempts reaches the stored episodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from service.storage.db import Database
+from tests.contract import assert_trainer_contract, sim_calls
+from tests.service_process import (
+    FINISHED,
+    attempts_seen,
+    episodes_of,
+    service_process,
+    simulated_sglang,
+    submission,
+    wait_batch_finished,
+    wait_for,
+)
+
+SERVICE_ENV = {
+    "lease_seconds": 2,
+    "sweep_interval_seconds": 0.5,
+    "claim_interval_seconds": 0.05,
+    "env_executor": "process",
+    "env_workers": 1,
+}
+TASKS, SAMPLES = 4, 2
+MID_BATCH_TIMEOUT_SECONDS = 30.0
+RECOVERY_TIMEOUT_SECONDS = 60.0
+
+
+async def test_killed_process_episodes_rerun_once_under_a_new_attempt(
+    database_url: str, db: Database, tmp_path: Path
+) -> None:
+    async with simulated_sglang(latency_seconds=0.3) as (sim, sglang_url):
+        async with service_process(tmp_path, database_url, sglang_url, "first", **SERVICE_ENV) as first:
+            async with httpx.AsyncClient(base_url=first.url, timeout=10) as http:
+                response = await http.post("/episodes", json=submission("crash", TASKS, SAMPLES))
+                assert response.status_code == 202, response.text
+            episode_ids = response.json()["episode_ids"]
+
+            async def mid_batch() -> bool:
+                # Some episodes done, others past their first turn: both kinds are then checked.
+                episodes = await episodes_of(db, "crash")
+                past_first_turn = {r.rid.split(":")[0] for r in sim.requests if not r.rid.endswith(":0")}
+                return any(episode.status in FINISHED for episode in episodes) and any(
+                    episode.status == "running" and episode.id in past_first_turn for episode in episodes
+                )
+
+            await wait_for(mid_batch, MID_BATCH_TIMEOUT_SECONDS, "episodes to be mid-way")
+            first.kill()
+            assert await first.wait_exit(10) < 0
+        at_kill = {episode.id: episode for episode in await episodes_of(db, "crash")}
+        interrupted = {id_ for id_, episode in at_kill.items() if episode.status == "running"}
+        finished_before = {id_ for id_, episode in at_kill.items() if episode.status in FINISHED}
+        assert interrupted and finished_before, {id_: episode.status for id_, episode in at_kill.items()}
+        assert interrupted | finished_before == set(episode_ids)  # every episode was claimed at once
+
+        async with service_process(tmp_path, database_url, sglang_url, "second", **SERVICE_ENV):
+            episodes = await wait_batch_finished(db, "crash", RECOVERY_TIMEOUT_SECONDS)
+
+        assert [episode.id for episode in episodes] == episode_ids
+        for episode in episodes:
+            assert episode.status in {"completed", "truncated", "aborted"}, (episode.id, episode.error)
+            assert episode.lease_expires_at is None and episode.finished_at is not None
+            if episode.id in interrupted:
+                assert episode.attempt >= 1
+                # The killed attempt did run (it generated turns or was about to); only the last
+                # attempt's result is stored.
+                assert max(attempts_seen(sim, episode.id)) == episode.attempt
+            else:
+                assert episode.attempt == 0 and attempts_seen(sim, episode.id) == {0}
+                # Stored before the kill, and not rewritten since.
+                assert episode.finished_at == at_kill[episode.id].finished_at
+            tokens = episode.tokens()
+            assert tokens is not None
+            calls = sim_calls(sim, episode.id, episode.attempt)
+            assert len(calls) == episode.num_turns > 0
+            assert_trainer_contract(
+                tokens.prompt_ids, tokens.response_ids, tokens.loss_mask, tokens.rollout_logprobs, calls
+            )

@@ -43,6 +43,7 @@ from service.serving import serve_app
 from service.storage.db import run_migrations
 
 PROBE_INTERVAL = 0.010
+_PATCHED: dict[str, Any] = {}
 IDLE_PROBE_SECONDS = 2.0
 SIM_START_TIMEOUT = 30.0
 SHOP_TEST_TASKS = 50
@@ -109,6 +110,56 @@ def sim_worker(latency: float) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
             process.wait()
 
 
+def patch_httpcore() -> None:
+    """WHAT-IF ONLY (--what-if-http-fix): two httpcore 1.0.x costs that dominate at 1000s of
+    connections, removed in this process to show what the service would get without them.
+
+    1. `current_async_library()` runs `import sniffio` on every lock and connection; sniffio is not
+       installed (anyio 4 no longer needs it), so every call is a failed import: a sys.path scan.
+    2. `_assign_requests_to_connections` counts the idle connections once per idle connection
+       (a list over the pool inside the loop over the pool): O(connections^2) on every request
+       start and end.
+    """
+    import httpcore._backends.auto as auto
+    import httpcore._synchronization as sync
+    from httpcore._async.connection_pool import AsyncConnectionPool
+
+    if _PATCHED:
+        return
+    _PATCHED["sniffio"] = sync.current_async_library
+    sync.current_async_library = auto.current_async_library = lambda: "asyncio"
+    original = AsyncConnectionPool._assign_requests_to_connections
+    _PATCHED["assign"] = original
+
+    def assign(self: Any) -> list[Any]:
+        closing = []
+        idle = sum(1 for connection in self._connections if connection.is_idle())
+        for connection in list(self._connections):
+            if connection.is_closed():
+                self._connections.remove(connection)
+            elif connection.has_expired():
+                self._connections.remove(connection)
+                closing.append(connection)
+            elif connection.is_idle() and idle > self._max_keepalive_connections:
+                self._connections.remove(connection)
+                closing.append(connection)
+                idle -= 1
+        # The rest as httpcore does it, with nothing left to clean up.
+        return closing + original(self)
+
+    AsyncConnectionPool._assign_requests_to_connections = assign  # type: ignore[method-assign]
+
+
+def unpatch_httpcore() -> None:
+    import httpcore._backends.auto as auto
+    import httpcore._synchronization as sync
+    from httpcore._async.connection_pool import AsyncConnectionPool
+
+    if _PATCHED:
+        sync.current_async_library = auto.current_async_library = _PATCHED.pop("sniffio")
+        AsyncConnectionPool._assign_requests_to_connections = _PATCHED.pop("assign")  # type: ignore[method-assign]
+
+
 class LagProbe:
     """Sleeps PROBE_INTERVAL in a loop on the running loop and records how late it wakes up."""
 
@@ -146,7 +197,15 @@ def lag_stats(lags: list[float]) -> dict[str, float]:
 
 
 async def _run(
-    *, episodes: int, latency: float, sim_url: str, sim_pid: int, database_url: str, executor: str, workers: int
+    *,
+    episodes: int,
+    latency: float,
+    sim_url: str,
+    sim_pid: int,
+    database_url: str,
+    executor: str,
+    workers: int,
+    max_inflight: int,
 ) -> dict[str, Any]:
     idle = LagProbe()
     idle.start()
@@ -161,7 +220,7 @@ async def _run(
         env_executor=executor,
         env_workers=workers,
         max_running_episodes=max(episodes, 2048),
-        max_inflight_generates=max(episodes, 2048),
+        max_inflight_generates=max_inflight,
         log_level="WARNING",
     )
     samples = max(1, episodes // SHOP_TEST_TASKS)
@@ -207,6 +266,8 @@ async def _run(
         "latency_s": latency,
         "env_executor": executor,
         "env_workers": workers,
+        "max_inflight_generates": max_inflight,
+        "what_if_http_fix": bool(_PATCHED),
         "wall_s": round(wall, 3),
         "submit_s": round(submitted, 3),
         "episodes_per_s": round(total / wall, 2),
@@ -235,22 +296,38 @@ async def _run(
 
 
 def run_bench(
-    episodes: int = 2000, latency: float = 0.5, executor: str = "thread", workers: int = 2
+    episodes: int = 2000,
+    latency: float = 0.5,
+    executor: str = "thread",
+    workers: int = 2,
+    max_inflight: int | None = None,
+    http_fix: bool = False,
 ) -> dict[str, Any]:
     logging.getLogger().setLevel(logging.WARNING)
+    if http_fix:
+        patch_httpcore()
+    try:
+        return _run_bench(episodes, latency, executor, workers, max_inflight or max(episodes, 2048))
+    finally:
+        unpatch_httpcore()
+
+
+def _run_bench(episodes: int, latency: float, executor: str, workers: int, max_inflight: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp, sim_worker(latency) as (sim_url, sim):
         database_url = f"sqlite+aiosqlite:///{tmp}/bench.db"
         run_migrations(database_url)
         return asyncio.run(
             _run(episodes=episodes, latency=latency, sim_url=sim_url, sim_pid=sim.pid, database_url=database_url,
-                 executor=executor, workers=workers)
+                 executor=executor, workers=workers, max_inflight=max_inflight)
         )
 
 
 def report(result: dict[str, Any]) -> str:
     return "\n".join([
         f"{result['episodes']} episodes of builtin/shop, engine latency {result['latency_s']} s per generate, "
-        f"env executor {result['env_executor']} x {result['env_workers']}, {result['cpus']} CPUs",
+        f"env executor {result['env_executor']} x {result['env_workers']}, {result['cpus']} CPUs, "
+        f"max_inflight_generates {result['max_inflight_generates']}"
+        + (" [WHAT-IF: httpcore patched in-process]" if result["what_if_http_fix"] else ""),
         f"wall      {result['wall_s']:.2f} s (ideal {result['ideal_wall_s']:.2f} s = {result['max_turns']} turns x "
         f"latency); efficiency {result['efficiency']:.1%}",
         f"rate      {result['episodes_per_s']:.1f} episodes/s (ideal {result['ideal_episodes_per_s']:.1f}), "
@@ -271,11 +348,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--latency", type=float, default=0.5)
     parser.add_argument("--env-executor", choices=["thread", "process"], default="thread")
     parser.add_argument("--env-workers", type=int, default=2)
+    parser.add_argument("--max-inflight", type=int, default=None,
+                        help="Settings.max_inflight_generates (default: max(episodes, 2048))")
+    parser.add_argument("--what-if-http-fix", action="store_true",
+                        help="patch two httpcore hot spots in-process (see patch_httpcore); not the service as is")
     parser.add_argument("--quick", action="store_true", help="50 episodes, 0.05 s latency (smoke test)")
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.latency = 50, 0.05
-    result = run_bench(args.episodes, args.latency, args.env_executor, args.env_workers)
+    result = run_bench(args.episodes, args.latency, args.env_executor, args.env_workers, args.max_inflight,
+                       args.what_if_http_fix)
     print(report(result))
     print(json.dumps(result))
     return result

@@ -71,17 +71,12 @@ class ChatTokenizer:
         self.tokenizer = tokenizer
         self.tool_instruction = tool_instruction
         self.template_tool_instruction = template_tool_instruction
-        prefix_with_header = self.render(PROBE_PREFIX, add_generation_prompt=True)
-        self._after_probe_assistant = self.render(
-            [*PROBE_PREFIX, PROBE_ASSISTANT], add_generation_prompt=False
+        # Only what follows the assistant's content is taken from the template: thinking templates
+        # (Qwen3) render the text before it differently once later messages exist, but never
+        # the text after it, and the model has already seen and sampled everything before it.
+        self.close_text = self._after_content(
+            self.render([*PROBE_PREFIX, PROBE_ASSISTANT], add_generation_prompt=False)
         )
-        opened = prefix_with_header + PROBE_ASSISTANT["content"]
-        if not self._after_probe_assistant.startswith(opened):
-            raise ChatTemplateError(
-                "the chat template does not render an assistant message as the generation header "
-                "followed by its content; it cannot be extended incrementally"
-            )
-        self.close_text = self._after_probe_assistant[len(opened) :]
         self.close_ids = self.encode(self.close_text)
         for role in ("user", "tool"):
             self.message_ids({"role": role, "content": "PROBE_MESSAGE"})  # fails early, not mid-episode
@@ -133,8 +128,16 @@ class ChatTokenizer:
     def message_ids(self, message: dict[str, Any]) -> list[int]:
         """Ids of a user or tool message that follows an assistant turn, plus the next header."""
         text = self.render([*PROBE_PREFIX, PROBE_ASSISTANT, message], add_generation_prompt=True)
-        if not text.startswith(self._after_probe_assistant):
+        after_assistant = self._after_content(text)
+        if not after_assistant.startswith(self.close_text):
             raise ChatTemplateError(
-                f"rendering a {message['role']!r} message rewrites the conversation before it"
+                f"a {message['role']!r} message changes how the assistant turn before it is closed"
             )
-        return self.encode(text[len(self._after_probe_assistant) :])
+        return self.encode(after_assistant[len(self.close_text) :])
+
+    @staticmethod
+    def _after_content(text: str) -> str:
+        content = PROBE_ASSISTANT["content"]
+        if text.count(content) != 1:
+            raise ChatTemplateError("the chat template does not render an assistant message's content once")
+        return text[text.index(content) + len(content) :]

@@ -1,0 +1,157 @@
+"""SIGTERM of a serving process mid-batch: it drains for SHUTDOWN_TIMEOUT_SECONDS, releases what is
+left to the queue (attempt + 1, lease cleared) and exits 0; another process then finishes the rest."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from service.engine.sim import SimWorker
+from service.storage.db import Database
+from service.storage.models import Episode
+from tests.contract import assert_trainer_contract, sim_calls
+from tests.service_process import (
+    FINISHED,
+    attempts_seen,
+    episodes_of,
+    service_process,
+    simulated_sglang,
+    submission,
+    wait_batch_finished,
+    wait_for,
+)
+
+SERVICE_ENV = {
+    "lease_seconds": 5,
+    "sweep_interval_seconds": 0.5,
+    "claim_interval_seconds": 0.05,
+    "env_executor": "process",
+    "env_workers": 1,
+}
+TASKS, SAMPLES = 4, 2
+EXIT_MARGIN_SECONDS = 8.0  # uvicorn's shutdown, closing the env worker process, interpreter exit
+MID_BATCH_TIMEOUT_SECONDS = 30.0
+# uvicorn (>= 0.29) shuts down gracefully on SIGTERM and then re-raises the signal, so a graceful
+# exit reads as "killed by SIGTERM"; the log line "Application shutdown complete." tells it apart.
+GRACEFUL_EXIT_CODES = {0, -signal.SIGTERM}
+FINISH_TIMEOUT_SECONDS = 60.0
+
+
+async def submit(url: str, batch_id: str, tasks: int = TASKS, samples: int = SAMPLES) -> list[str]:
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        response = await http.post("/episodes", json=submission(batch_id, tasks, samples))
+    assert response.status_code == 202, response.text
+    episode_ids: list[str] = response.json()["episode_ids"]
+    return episode_ids
+
+
+def assert_contract(sim_worker: SimWorker, episode: Episode) -> None:
+    assert episode.status in {"completed", "truncated", "aborted"}, (episode.id, episode.error)
+    tokens = episode.tokens()
+    assert tokens is not None
+    calls = sim_calls(sim_worker, episode.id, episode.attempt)
+    assert len(calls) == episode.num_turns > 0
+    assert_trainer_contract(
+        tokens.prompt_ids, tokens.response_ids, tokens.loss_mask, tokens.rollout_logprobs, calls
+    )
+
+
+async def test_sigterm_releases_unfinished_episodes_after_the_timeout(
+    database_url: str, db: Database, tmp_path: Path
+) -> None:
+    shutdown_timeout = 1.0
+    async with simulated_sglang(latency_seconds=0.6) as (sim, sglang_url):
+        async with service_process(
+            tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=shutdown_timeout,
+            max_running_episodes=4, **SERVICE_ENV,
+        ) as first:  # fmt: skip
+            episode_ids = await submit(first.url, "drain")
+
+            async def mid_batch() -> bool:
+                # Some episodes done, and one with 3+ turns (> the shutdown timeout) still to go.
+                episodes = await episodes_of(db, "drain")
+                early = {r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":1")} - {
+                    r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":2")
+                }
+                return any(episode.status in FINISHED for episode in episodes) and any(
+                    episode.status == "running" and episode.id in early for episode in episodes
+                )
+
+            await wait_for(mid_batch, MID_BATCH_TIMEOUT_SECONDS, "episodes to be mid-way")
+            before = {episode.id: episode for episode in await episodes_of(db, "drain")}
+            first.terminate()
+            started = time.monotonic()
+            assert await first.wait_exit(shutdown_timeout + EXIT_MARGIN_SECONDS) in GRACEFUL_EXIT_CODES
+            assert time.monotonic() - started < shutdown_timeout + EXIT_MARGIN_SECONDS
+        messages = [line["message"] for line in first.log_lines()]
+        assert "Application shutdown complete." in messages and "draining " in "".join(messages), messages
+
+        after = {episode.id: episode for episode in await episodes_of(db, "drain")}
+        released = {id_ for id_, episode in after.items() if episode.status == "queued"}
+        assert released, "every episode finished within the shutdown timeout: make them longer"
+        assert any(f"released {len(released)} unfinished episodes" in message for message in messages), (
+            messages
+        )
+        for id_, episode in after.items():
+            assert episode.status != "running"
+            if before[id_].status in FINISHED:
+                assert episode.status == before[id_].status and episode.finished_at == before[id_].finished_at
+            if id_ in released:
+                assert episode.attempt == 1
+                assert episode.lease_owner is None and episode.lease_expires_at is None
+                assert episode.started_at is None and episode.response_ids is None
+            else:
+                assert episode.status in FINISHED and episode.attempt == 0
+
+        async with service_process(tmp_path, database_url, sglang_url, "second", **SERVICE_ENV):
+            episodes = await wait_batch_finished(db, "drain", FINISH_TIMEOUT_SECONDS)
+
+    assert [episode.id for episode in episodes] == episode_ids
+    for episode in episodes:
+        # Released episodes ran again as attempt 1; the cancelled attempt 0 left nothing behind.
+        assert episode.attempt == (1 if episode.id in released else 0)
+        assert max(attempts_seen(sim, episode.id)) == episode.attempt
+        assert_contract(sim, episode)
+
+
+async def test_sigterm_lets_in_flight_episodes_finish_within_a_generous_timeout(
+    database_url: str, db: Database, tmp_path: Path
+) -> None:
+    async with simulated_sglang(latency_seconds=0.3) as (sim, sglang_url):
+        async with service_process(
+            tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=30, max_running_episodes=4,
+            **SERVICE_ENV,
+        ) as first:  # fmt: skip
+            await submit(first.url, "finish")
+
+            async def mid_episode() -> bool:
+                episodes = await episodes_of(db, "finish")
+                past_first_turn = {r.rid.split(":")[0] for r in sim.requests if not r.rid.endswith(":0")}
+                return any(
+                    episode.status == "running" and episode.id in past_first_turn for episode in episodes
+                )
+
+            await wait_for(mid_episode, MID_BATCH_TIMEOUT_SECONDS, "an episode to be mid-way")
+            running_before = {
+                episode.id for episode in await episodes_of(db, "finish") if episode.status == "running"
+            }
+            first.terminate()
+            assert await first.wait_exit(FINISH_TIMEOUT_SECONDS) in GRACEFUL_EXIT_CODES
+        messages = [line["message"] for line in first.log_lines()]
+        assert "Application shutdown complete." in messages, messages
+        assert not any(message.startswith("released ") for message in messages), messages
+
+    after = await episodes_of(db, "finish")
+    assert not any(episode.status == "running" for episode in after)
+    for episode in after:
+        assert episode.attempt == 0  # nothing was released
+        if episode.id in running_before:
+            assert episode.status in FINISHED
+        if episode.status == "queued":
+            # Never claimed: the draining process stopped claiming at SIGTERM.
+            assert episode.attempt == 0 and episode.lease_owner is None and not attempts_seen(sim, episode.id)
+        else:
+            assert_contract(sim, episode)

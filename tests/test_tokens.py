@@ -1,0 +1,58 @@
+"""ChatTokenizer: the template pieces it derives, and the templates it refuses."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from service.config import TEST_TOKENIZER_DIR
+from service.loop.tokens import ChatTemplateError, ChatTokenizer, Trajectory
+from tests.tokenizer_helpers import chat_tokenizer, chat_variant
+
+
+def test_closing_ids_skip_what_the_model_sampled() -> None:
+    chat = chat_tokenizer()
+    im_end, newline = chat.close_ids
+    assert chat.closing_ids([7, 8, im_end]) == [newline]  # sampled <|im_end|>: only "\n" is added
+    assert chat.closing_ids([7, 8]) == [im_end, newline]  # cut by length or abort: the whole close
+    assert chat.closing_ids([]) == [im_end, newline]
+    assert chat.sampled_text(chat.encode("hello") + [im_end]) == "hello"
+    assert chat.sampled_text(chat.encode("hello")) == "hello"
+
+
+def test_prompt_has_the_one_call_instruction_and_ends_with_the_header() -> None:
+    chat = chat_tokenizer()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    text = chat.decode(chat.prompt_ids("Be brief.", tools, "Hi"))
+    assert "allowed to call one or no function" in text
+    assert "You may call one or more functions" not in text
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_thinking_template_is_accepted() -> None:
+    """Qwen3-style templates re-render the last assistant turn; pieces are taken after its content."""
+    chat = chat_variant("qwen3").chat
+    assert chat.close_text == "<|im_end|>\n"
+    assert chat.decode(chat.message_ids({"role": "user", "content": "ok"})) == (
+        "<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_a_template_that_drops_assistant_content_is_refused() -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.role }}: {{ m.content }}\n{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    with pytest.raises(ChatTemplateError, match="content once"):
+        ChatTokenizer(tokenizer)
+
+
+def test_trajectory_keeps_lengths_aligned() -> None:
+    trajectory = Trajectory(prompt_ids=[1, 2])
+    trajectory.add_sampled([5, 6], [-0.5, -0.25])
+    trajectory.add_context([9])
+    assert trajectory.input_ids() == [1, 2, 5, 6, 9]
+    assert trajectory.loss_mask == [1, 1, 0] and trajectory.logprobs == [-0.5, -0.25, 0.0]
+    with pytest.raises(ValueError, match="2 sampled ids but 1 logprobs"):
+        trajectory.add_sampled([1, 2], [-1.0])

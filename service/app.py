@@ -11,7 +11,7 @@ from typing import cast
 import httpx
 from fastapi import FastAPI
 
-from service.api import batches, envs, episodes, health
+from service.api import batches, engine, envs, episodes, health
 from service.api.errors import install_error_handlers
 from service.api.middleware import install_middleware
 from service.app_state import Services
@@ -126,6 +126,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     install_error_handlers(app)
     install_middleware(app, settings)
-    for module in (episodes, batches, envs, health):
+    for module in (episodes, batches, envs, engine, health):
         app.include_router(module.router)
     return app

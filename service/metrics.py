@@ -22,13 +22,21 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
-        self.submitted = Counter("rollout_episodes_submitted", "Episodes accepted by POST /episodes.", registry=registry)
+        self.submitted = Counter(
+            "rollout_episodes_submitted", "Episodes accepted by POST /episodes.", registry=registry
+        )
         self.finished = Counter(
-            "rollout_episodes_finished", "Episodes this process finished, by status.", ["status"], registry=registry
+            "rollout_episodes_finished",
+            "Episodes this process finished, by status.",
+            ["status"],
+            registry=registry,
         )
         self.turns = Counter("rollout_turns", "Generate calls of finished episodes.", registry=registry)
         self.tokens = Counter(
-            "rollout_tokens", "Tokens of finished episodes: prompt, sampled, context.", ["kind"], registry=registry
+            "rollout_tokens",
+            "Tokens of finished episodes: prompt, sampled, context.",
+            ["kind"],
+            registry=registry,
         )
         self.engine_seconds = Histogram(
             "rollout_engine_seconds", "Duration of one /generate call.", buckets=LATENCY_BUCKETS_SECONDS,
@@ -38,10 +46,16 @@ class Metrics:
             "rollout_env_seconds", "Duration of one environment step.", buckets=LATENCY_BUCKETS_SECONDS,
             registry=registry,
         )  # fmt: skip
-        self.episodes = Gauge("rollout_episodes", "Episodes in the database, by status.", ["status"], registry=registry)
+        self.episodes = Gauge(
+            "rollout_episodes", "Episodes in the database, by status.", ["status"], registry=registry
+        )
         self.queue_depth = Gauge("rollout_queue_depth", "Episodes waiting to be claimed.", registry=registry)
-        self.inflight_episodes = Gauge("rollout_inflight_episodes", "Episodes running here.", registry=registry)
-        self.inflight_generates = Gauge("rollout_inflight_generates", "/generate calls in flight.", registry=registry)
+        self.inflight_episodes = Gauge(
+            "rollout_inflight_episodes", "Episodes running here.", registry=registry
+        )
+        self.inflight_generates = Gauge(
+            "rollout_inflight_generates", "/generate calls in flight.", registry=registry
+        )
         for status in EpisodeStatus:
             self.finished.labels(status.value)
 

@@ -202,3 +202,16 @@ async def test_json_batch_with_tokens_matches_episodes(client: httpx.AsyncClient
         assert entry["response_length"] == len(episode["response_ids"])
     plain = (await client.get("/batches/tok")).json()
     assert "response_ids" not in plain["episodes"][0]
+
+
+async def test_pause_and_continue_reach_every_worker(
+    client: httpx.AsyncClient, sim: tuple[SimWorker, str]
+) -> None:
+    workers = (await client.get("/engine/workers")).json()["workers"]
+    assert workers == [sim[1]]
+    paused = await client.post("/engine/pause", json={"mode": "retract"})
+    assert paused.status_code == 200 and paused.json()["workers"] == {sim[1]: "ok"}
+    assert sim[0]._paused
+    assert (await client.post("/engine/continue")).status_code == 200
+    assert not sim[0]._paused
+    assert (await client.post("/engine/pause", json={"mode": "sideways"})).status_code == 422

@@ -16,7 +16,7 @@ def test_closing_ids_skip_what_the_model_sampled() -> None:
     assert chat.closing_ids([7, 8, im_end]) == [newline]  # sampled <|im_end|>: only "\n" is added
     assert chat.closing_ids([7, 8]) == [im_end, newline]  # cut by length or abort: the whole close
     assert chat.closing_ids([]) == [im_end, newline]
-    assert chat.sampled_text(chat.encode("hello") + [im_end]) == "hello"
+    assert chat.sampled_text([*chat.encode("hello"), im_end]) == "hello"
     assert chat.sampled_text(chat.encode("hello")) == "hello"
 
 

@@ -35,7 +35,12 @@ class GuardMiddleware:
             return
         headers = dict(scope["headers"])
         if self.api_keys and scope["path"] not in PUBLIC_PATHS and not self._authorized(headers):
-            await self._reject(Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'"), scope, receive, send)
+            await self._reject(
+                Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'"),
+                scope,
+                receive,
+                send,
+            )
             return
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
@@ -73,4 +78,6 @@ class GuardMiddleware:
 
 
 def install_middleware(app: FastAPI, settings: Settings) -> None:
-    app.add_middleware(GuardMiddleware, api_keys=settings.api_key_list, max_body_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        GuardMiddleware, api_keys=settings.api_key_list, max_body_bytes=settings.max_request_bytes
+    )

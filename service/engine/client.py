@@ -253,13 +253,17 @@ class SGLangClient:
 
     async def abort(self, rid: str) -> None:
         """Aborts `rid` (and every rid it prefixes) on each worker; the router does not proxy aborts."""
-        urls = await self.workers()
-        results = await asyncio.gather(
-            *(self._control_post(f"{url}/abort_request", {"rid": rid, "abort_all": False}) for url in urls)
-        )
-        for url, problem in zip(urls, results, strict=True):
+        for url, problem in (await self.control("/abort_request", {"rid": rid, "abort_all": False})).items():
             if problem is not None:
                 logger.warning("abort %s at %s: %s", rid, url, problem)
+
+    async def control(self, path: str, body: dict[str, Any]) -> dict[str, str | None]:
+        """POSTs a control call (abort, pause_generation, continue_generation) to every worker,
+        always with a JSON body (recent builds answer 400 to a bodyless POST). Returns each
+        worker's problem, None where it succeeded."""
+        urls = await self.workers()
+        results = await asyncio.gather(*(self._control_post(f"{url}{path}", body) for url in urls))
+        return dict(zip(urls, results, strict=True))
 
     async def _control_post(self, url: str, body: dict[str, Any]) -> str | None:
         try:

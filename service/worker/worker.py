@@ -155,7 +155,9 @@ class EpisodeWorker:
             error=result.error,
             num_turns=len(result.turns),
         )
-        stored = await queue.finish_episode(self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome)
+        stored = await queue.finish_episode(
+            self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome
+        )
         if not stored:
             logger.warning("episode %s attempt %d lost its lease; result discarded", claim.id, claim.attempt)
         return stored
@@ -168,7 +170,9 @@ class EpisodeWorker:
             if not ids:
                 continue
             try:
-                renewed = await queue.renew_leases(self.sessionmaker, self.worker_id, ids, self.settings.lease_seconds)
+                renewed = await queue.renew_leases(
+                    self.sessionmaker, self.worker_id, ids, self.settings.lease_seconds
+                )
             except Exception:
                 logger.exception("renewing leases failed; retrying")
                 continue

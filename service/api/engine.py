@@ -1,0 +1,69 @@
+"""Control of the SGLang workers behind the service, for trainers around weight updates.
+
+The router does not proxy control calls, so each goes to every worker (SGLANG_WORKER_URLS, or the
+router's GET /workers).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.api.deps import ServicesDep
+from service.api.errors import NotReady, responses
+
+router = APIRouter(prefix="/engine", tags=["engine"])
+
+
+class PauseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["abort", "retract", "in_place"] = Field(
+        default="retract",
+        description="SGLang's pause mode. 'abort' ends in-flight requests: their episodes end aborted. "
+        "'retract' and 'in_place' keep them waiting until continue.",
+    )
+
+
+class ControlResult(BaseModel):
+    workers: dict[str, str] = Field(description="Worker URL -> 'ok' or the problem.")
+
+
+class WorkersOut(BaseModel):
+    workers: list[str]
+
+
+async def _fan_out(services: ServicesDep, path: str, body: dict[str, str]) -> ControlResult:
+    problems = await services.engine.control(path, body)
+    result = ControlResult(workers={url: problem or "ok" for url, problem in problems.items()})
+    failed = {url: problem for url, problem in problems.items() if problem is not None}
+    if failed:
+        raise NotReady(f"{path} failed on {len(failed)} of {len(problems)} workers: {failed}")
+    return result
+
+
+@router.get("/workers", operation_id="engine_workers", response_model=WorkersOut)
+async def engine_workers(services: ServicesDep) -> WorkersOut:
+    """The workers control calls go to."""
+    return WorkersOut(workers=await services.engine.workers())
+
+
+@router.post(
+    "/pause", operation_id="pause_generation", response_model=ControlResult, responses=responses(NotReady)
+)
+async def pause_generation(body: PauseRequest, services: ServicesDep) -> ControlResult:
+    """POST /pause_generation on every worker."""
+    return await _fan_out(services, "/pause_generation", {"mode": body.mode})
+
+
+@router.post(
+    "/continue",
+    operation_id="continue_generation",
+    response_model=ControlResult,
+    responses=responses(NotReady),
+)
+async def continue_generation(services: ServicesDep) -> ControlResult:
+    """POST /continue_generation on every worker."""
+    return await _fan_out(services, "/continue_generation", {})

@@ -13,15 +13,8 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from service.config import TEST_TOKENIZER_DIR
-from service.engine.sim import (
-    AFTER_PLAN_REPLY,
-    UNKNOWN_REPLY,
-    SimConfig,
-    SimWorker,
-    create_sim_app,
-    episode_key,
-    parse_chatml,
-)
+from service.engine.sim import SimConfig, SimWorker, create_sim_app
+from service.engine.sim_policy import AFTER_PLAN_REPLY, UNKNOWN_REPLY, episode_key, parse_chatml
 from service.envs.base import RESPOND_ACTION_NAME, Action
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, ShopEnv, oracle_plan, tasks
 

@@ -14,7 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="Serve the API and run episodes (RUN_WORKER=false: API only).")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--migrate", action="store_true", help="Migrate the database first.")
+    serve.add_argument(
+        "--migrate", action="store_true", help="Migrate the database first (always done for SQLite)."
+    )
     demo = commands.add_parser("demo", help="One batch end to end on SQLite with a simulated SGLang worker.")
     demo.add_argument("--tasks", type=int, default=16, help="Tasks of builtin/shop's test split.")
     demo.add_argument("--samples", type=int, default=4, help="Samples per task (a GRPO group).")
@@ -43,11 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from service.app import create_app
+        from service.storage.db import SchemaOutOfDate, check_schema, is_sqlite, run_migrations
 
-        if args.migrate:
-            from service.storage.db import run_migrations
-
+        if args.migrate or is_sqlite(settings.database_url):  # an embedded database: nobody else migrates it
             run_migrations(settings.database_url)
+        try:
+            check_schema(settings.database_url)
+        except SchemaOutOfDate as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         uvicorn.run(create_app(settings), host=args.host, port=args.port, log_config=None, ws="none")
     elif args.command == "demo":
         from service.demo import run_demo

@@ -57,7 +57,8 @@ class Metrics:
             "rollout_inflight_generates", "/generate calls in flight.", registry=registry
         )
         for status in EpisodeStatus:
-            self.finished.labels(status.value)
+            if status.finished:  # queued and running are not outcomes: no always-zero series for them
+                self.finished.labels(status.value)
 
     def episodes_submitted(self, count: int) -> None:
         self.submitted.inc(count)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -136,3 +137,32 @@ def run_migrations(url: str, revision: str = "head") -> None:
     """Upgrade the database at `url` to `revision`. Synchronous: call it with no running event loop
     (from the CLI, or via asyncio.to_thread from async code)."""
     command.upgrade(alembic_config(url), revision)
+
+
+class SchemaOutOfDate(RuntimeError):
+    """The database is not at the newest migration; `python -m service migrate` fixes it."""
+
+
+def check_schema(url: str) -> None:
+    """Raises SchemaOutOfDate unless the database at `url` is at the newest migration."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+
+    async def current() -> str | None:
+        engine = make_migration_engine(url)
+        try:
+            async with engine.connect() as connection:
+                return await connection.run_sync(
+                    lambda sync: MigrationContext.configure(sync).get_current_revision()
+                )
+        finally:
+            await engine.dispose()
+
+    revision = asyncio.run(current())
+    if revision != head:
+        raise SchemaOutOfDate(
+            f"the database is at migration {revision or 'none'}, the service needs {head}: "
+            "run `python -m service migrate` first"
+        )

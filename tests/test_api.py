@@ -215,3 +215,22 @@ async def test_pause_and_continue_reach_every_worker(
     assert (await client.post("/engine/continue")).status_code == 200
     assert not sim[0]._paused
     assert (await client.post("/engine/pause", json={"mode": "sideways"})).status_code == 422
+
+
+async def test_context_overflow_truncates_and_engine_refusal_fails(
+    client: httpx.AsyncClient, sim: tuple[SimWorker, str]
+) -> None:
+    """A 400 for the context length ends the episode truncated; other 4xx fail it with SGLang's message."""
+    huge = submission(batch_id="ctx", task_indices=[0], samples_per_task=1)
+    huge["sampling_params"]["max_new_tokens"] = 40_000  # the sim's context is 32768
+    await client.post("/episodes", json=huge)
+    batch = await wait_complete(client, "ctx")
+    episode = (await client.get(f"/episodes/{batch['episodes'][0]['id']}")).json()
+    assert episode["status"] == "truncated"
+    assert "context length" in episode["error"]
+    assert episode["response_ids"] == [] and len(episode["prompt_ids"]) > 0
+
+    sim[0].fail_next(1, status_code=400)
+    await client.post("/episodes", json=submission(batch_id="bad", task_indices=[0], samples_per_task=1))
+    failed = (await wait_complete(client, "bad"))["episodes"][0]
+    assert failed["status"] == "failed" and "engine refused the request" in failed["error"]

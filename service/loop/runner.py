@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Any, Protocol
 
-from service.engine.client import EngineError, Generation
+from service.engine.client import EngineError, EngineRequestError, Generation
 from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
 from service.envs.host import EnvError, EnvWorkerCrashed
 from service.loop.records import EpisodeResult, EpisodeSpec, EpisodeStatus, TurnRecord
@@ -16,7 +16,10 @@ from service.loop.toolcalls import ToolCallParseError, ToolCallParser
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NEW_TOKENS = 1024  # per turn, when sampling_params has none
+DEFAULT_MAX_NEW_TOKENS = 1024
+# SGLang's 400 when input + max_new_tokens exceeds the model: "... the model's context length ...",
+# "... the model's maximum context length of N tokens ...".
+CONTEXT_LENGTH_ERROR = "context length"  # per turn, when sampling_params has none
 # Env errors that are infrastructure (the user simulator's endpoint), not the episode's fault.
 INFRASTRUCTURE_ENV_ERRORS = ("UserSimulatorError",)
 
@@ -93,6 +96,10 @@ class EpisodeRunner:
                     return episode.end(status)
             episode.note = f"turn limit {spec.max_turns} reached"
             return episode.end(EpisodeStatus.TRUNCATED)
+        except EngineRequestError as error:
+            if CONTEXT_LENGTH_ERROR in str(error).lower():  # the conversation outgrew the model
+                return episode.end(EpisodeStatus.TRUNCATED, f"context length reached: {error}")
+            return episode.end(EpisodeStatus.FAILED, f"engine refused the request: {error}")
         except EngineError as error:
             return episode.end(EpisodeStatus.FAILED, f"engine: {error}")
         except EnvWorkerCrashed as error:

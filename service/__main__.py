@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from service.app import create_app
+        from service.serving import DrainingServer
         from service.storage.db import SchemaOutOfDate, check_schema, is_sqlite, run_migrations
 
         if args.migrate or is_sqlite(settings.database_url):  # an embedded database: nobody else migrates it
@@ -54,7 +56,17 @@ def main(argv: list[str] | None = None) -> int:
         except SchemaOutOfDate as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_config=None, ws="none")
+        shutting_down = asyncio.Event()
+        config = uvicorn.Config(
+            create_app(settings, shutting_down),
+            host=args.host,
+            port=args.port,
+            log_config=None,
+            ws="none",
+            # A backstop: connections still open this long after SIGTERM are closed.
+            timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_seconds)),
+        )
+        DrainingServer(config, shutting_down).run()
     elif args.command == "demo":
         from service.demo import run_demo
 
@@ -63,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         from service.engine.sim import SimConfig
         from service.engine.sim import main as sim_main
 
-        config = SimConfig(latency_seconds=args.latency)
+        sim_config = SimConfig(latency_seconds=args.latency)
         if args.tokenizer:
-            config = SimConfig(latency_seconds=args.latency, tokenizer_path=args.tokenizer)
-        sim_main(args.host, args.port, config)
+            sim_config = SimConfig(latency_seconds=args.latency, tokenizer_path=args.tokenizer)
+        sim_main(args.host, args.port, sim_config)
     elif args.command == "openapi":
         from service.openapi import openapi_yaml
 

@@ -55,7 +55,9 @@ def user_sim_config(settings: Settings) -> UserSimConfig:
 
 
 @asynccontextmanager
-async def lifespan(settings: Settings, metrics: Metrics) -> AsyncIterator[dict[str, Services]]:
+async def lifespan(
+    settings: Settings, metrics: Metrics, shutting_down: asyncio.Event
+) -> AsyncIterator[dict[str, Services]]:
     if not settings.api_key_list:
         logger.warning("API_KEYS is not set: the API accepts requests from anyone who can reach it")
     database = Database.open(settings.database_url)
@@ -80,6 +82,7 @@ async def lifespan(settings: Settings, metrics: Metrics) -> AsyncIterator[dict[s
         envs=available_envs(),
         metrics=metrics,
         batch_finished=asyncio.Condition(),
+        shutting_down=shutting_down,
     )
     try:
         if settings.run_worker:
@@ -115,14 +118,17 @@ def _notify(condition: asyncio.Condition) -> None:
     asyncio.get_running_loop().create_task(notify())
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, shutting_down: asyncio.Event | None = None) -> FastAPI:
+    """The app. `shutting_down`, set by the server on SIGTERM, ends long-polls so that the server
+    can close its connections and run the lifespan's drain without waiting for them."""
     settings = settings or Settings()
     metrics = Metrics()
+    shutting_down = shutting_down or asyncio.Event()
     app = FastAPI(
         title="Rollout service",
         version="0.1.0",
         summary="Durable multi-turn agent rollouts against SGLang, with exact token data for RL trainers.",
-        lifespan=lambda app: lifespan(settings, metrics),
+        lifespan=lambda app: lifespan(settings, metrics, shutting_down),
     )
     install_error_handlers(app)
     install_middleware(app, settings)

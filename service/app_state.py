@@ -27,5 +27,6 @@ class Services:
     envs: dict[str, EnvSpec]
     metrics: Metrics
     batch_finished: asyncio.Condition  # notified whenever this process stores a result
+    shutting_down: asyncio.Event  # set when the server was told to stop: long-polls return at once
     worker: EpisodeWorker | None = None
     env_host: EnvHost | None = None

@@ -6,11 +6,25 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import FrameType
 
 import uvicorn
 from starlette.types import ASGIApp
 
 STARTUP_TIMEOUT_SECONDS = 60.0
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server that tells the app when it is asked to exit, before it waits for open
+    connections (a trainer's long-poll) to close."""
+
+    def __init__(self, config: uvicorn.Config, shutting_down: asyncio.Event) -> None:
+        super().__init__(config)
+        self.shutting_down = shutting_down
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self.shutting_down.set()
 
 
 @asynccontextmanager

@@ -10,7 +10,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.storage.db import Database
 from tests.contract import assert_trainer_contract, sim_calls
-from tests.service_process import attempts_seen, service_process, simulated_sglang, submission, wait_batch_finished
+from tests.service_process import (
+    attempts_seen,
+    service_process,
+    simulated_sglang,
+    submission,
+    wait_batch_finished,
+)
 
 SERVICE_ENV = {
     "lease_seconds": 5,

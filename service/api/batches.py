@@ -36,7 +36,7 @@ async def _wait_until_complete(services: Services, batch_id: str, wait: float) -
         if counts["queued"] + counts["running"] == 0:
             return
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 or services.shutting_down.is_set():
             return
         condition = services.batch_finished
         async with condition:

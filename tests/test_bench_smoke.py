@@ -1,0 +1,73 @@
+"""Tiny runs of the benchmarks in bench/: the JSON line parses and the figures are sane.
+
+No timing assertions: only that each bench runs end to end and reports positive numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def last_json_line(output: str) -> dict[str, Any]:
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    result = json.loads(lines[-1])
+    assert isinstance(result, dict)
+    return result
+
+
+def assert_positive(result: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        assert key in result, key
+        assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result[key])
+
+
+def test_turn_overhead_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("turn_overhead")
+    returned = bench.main(["--quick"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result == json.loads(json.dumps(returned))
+    assert result["turns"] == 4 and result["tools"] == 16
+    assert_positive(result, "seed_ms", "ours_ms", "ratio", "orchestrator_ratio", "ours_ms_per_turn",
+                    "system_prompt_chars", "final_tokens")
+    # Both pipelines account the same conversation, give or take re-tokenization drift.
+    assert abs(result["final_tokens"] - result["seed_final_tokens"]) < 0.05 * result["final_tokens"]
+
+
+def test_batch_pull_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("batch_pull")
+    bench.main(["--quick"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result["episodes"] == 16
+    assert_positive(result, "arrow_bytes", "arrow_s", "arrow_mb_per_s", "json_bytes", "json_s", "json_mb_per_s",
+                    "ratio", "verified_episodes")
+    assert result["json_path"]
+
+
+@pytest.mark.slow
+def test_concurrency_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("concurrency")
+    bench.main(["--quick"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result["episodes"] == 50
+    assert sum(result["statuses"].values()) == 50
+    assert "failed" not in result["statuses"]
+    assert_positive(result, "wall_s", "episodes_per_s", "ideal_episodes_per_s", "efficiency", "turns",
+                    "loop_lag_max_ms", "idle_loop_lag_max_ms")

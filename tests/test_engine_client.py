@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -24,6 +24,7 @@ from service.engine.client import (
 )
 from service.engine.sim import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
+from tests.polling import until
 
 FAST = SimConfig(latency_seconds=0.0, noncanonical_rate=0.5)
 TOKENIZER = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
@@ -54,15 +55,6 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-async def until(condition: Callable[[], bool], timeout_seconds: float = 5.0) -> None:
-    """Waits (bounded) for a condition on a worker that another task or thread changes."""
-    for _ in range(int(timeout_seconds / 0.005)):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached in time")
 
 
 @pytest.fixture

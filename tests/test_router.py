@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +21,7 @@ from service.config import TEST_TOKENIZER_DIR
 from service.engine.client import EngineRequestError, SGLangClient
 from service.engine.sim import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
+from tests.polling import until
 
 ROUTER_START_TIMEOUT_SECONDS = 60.0
 ROUTER_STOP_TIMEOUT_SECONDS = 10.0
@@ -111,14 +112,6 @@ def client_for(http: httpx.AsyncClient, url: str) -> SGLangClient:
 
 def requests_by_rid(setup: RouterSetup) -> dict[str, tuple[str, Any]]:
     return {request.rid: (url, request) for url, sim in setup.workers.items() for request in sim.requests}
-
-
-async def until(condition: Callable[[], bool], timeout_seconds: float = 5.0) -> None:
-    for _ in range(int(timeout_seconds / 0.005)):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached in time")
 
 
 async def test_requests_pass_through_with_our_fields_and_byte_identical_responses(

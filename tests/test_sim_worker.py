@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from functools import cache
 from typing import Any
 
@@ -17,6 +17,7 @@ from service.engine.sim import SimConfig, SimWorker, create_sim_app
 from service.engine.sim_policy import AFTER_PLAN_REPLY, UNKNOWN_REPLY, episode_key, parse_chatml
 from service.envs.base import RESPOND_ACTION_NAME, Action
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, ShopEnv, oracle_plan, tasks
+from tests.polling import until
 
 NO_MISTAKES = SimConfig(
     latency_seconds=0.0,
@@ -66,15 +67,6 @@ async def sim() -> AsyncIterator[tuple[SimWorker, httpx.AsyncClient]]:
     worker = SimWorker(NO_MISTAKES)
     async with sim_client(worker) as http:
         yield worker, http
-
-
-async def until(condition: Callable[[], bool], timeout_seconds: float = 5.0) -> None:
-    """Waits (bounded) for a condition on a worker that another task or thread changes."""
-    for _ in range(int(timeout_seconds / 0.005)):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition not reached in time")
 
 
 def parse_action(text: str) -> Action | None:

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import String, cast, literal, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from service.loop.records import EpisodeSpec
 from service.storage import blobs
 
 # The API-side helpers live in batches.py; re-exported because callers look for the queue here.
@@ -34,6 +35,14 @@ IN_LIST_CHUNK = 1000
 SessionMaker = async_sessionmaker[AsyncSession]
 _QUEUED = EpisodeStatus.QUEUED.value
 _RUNNING = EpisodeStatus.RUNNING.value
+# A re-queued episode runs again as a new attempt: attempt + 1 fences out the old lease holder.
+_REQUEUED: dict[str, Any] = {
+    "status": _QUEUED,
+    "attempt": Episode.attempt + 1,
+    "lease_owner": None,
+    "lease_expires_at": None,
+    "started_at": None,
+}
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,18 @@ class ClaimedEpisode:
     batch_id: str
     group_index: int
     sample_index: int
+
+    def spec(self) -> EpisodeSpec:
+        return EpisodeSpec(
+            episode_id=self.id,
+            attempt=self.attempt,
+            env=self.env,
+            task_split=self.task_split,
+            task_index=self.task_index,
+            sampling_params=self.sampling_params,
+            max_turns=self.max_turns,
+            max_response_tokens=self.max_response_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -216,13 +237,7 @@ async def requeue_expired(sm: SessionMaker, max_attempts: int, *, now: datetime 
         requeued = await session.scalars(
             update(Episode)
             .where(*expired, ~used_up)
-            .values(
-                status=_QUEUED,
-                attempt=Episode.attempt + 1,
-                lease_owner=None,
-                lease_expires_at=None,
-                started_at=None,
-            )
+            .values(**_REQUEUED)
             .returning(Episode.id)
             .execution_options(synchronize_session=False)
         )
@@ -273,13 +288,7 @@ async def release_episodes(
             if chunk is not None:
                 statement = statement.where(Episode.id.in_(chunk))
             result = await session.scalars(
-                statement.values(
-                    status=_QUEUED,
-                    attempt=Episode.attempt + 1,
-                    lease_owner=None,
-                    lease_expires_at=None,
-                    started_at=None,
-                )
+                statement.values(**_REQUEUED)
                 .returning(Episode.id)
                 .execution_options(synchronize_session=False)
             )

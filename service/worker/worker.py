@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.config import Settings
-from service.loop.records import EpisodeResult, EpisodeSpec, EpisodeStatus
+from service.loop.records import EpisodeResult, EpisodeStatus
 from service.loop.runner import EpisodeRunner
 from service.storage import queue
 from service.storage.queue import ClaimedEpisode, EpisodeOutcome
 
 logger = logging.getLogger(__name__)
 
+CLAIM_BATCH = 256  # episodes claimed in one transaction, at most
 FinishedHook = Callable[[ClaimedEpisode, EpisodeResult], None]
 
 
@@ -100,14 +101,14 @@ class EpisodeWorker:
             if capacity > 0:
                 try:
                     claimed = await queue.claim_episodes(
-                        self.sessionmaker, self.worker_id, min(capacity, 256), self.settings.lease_seconds
+                        self.sessionmaker, self.worker_id, min(capacity, CLAIM_BATCH), self.settings.lease_seconds
                     )
                 except Exception:  # the database may be briefly unreachable; keep the worker alive
                     logger.exception("claiming episodes failed; retrying")
             for claim in claimed:
                 task = asyncio.create_task(self._run(claim), name=f"episode {claim.id}")
                 self.running[claim.id] = _Running(claim, task)
-            if claimed and len(claimed) == min(capacity, 256):
+            if claimed and len(claimed) == min(capacity, CLAIM_BATCH):
                 continue  # more may be waiting
             self._wake.clear()
             try:
@@ -116,18 +117,8 @@ class EpisodeWorker:
                 pass
 
     async def _run(self, claim: ClaimedEpisode) -> None:
-        spec = EpisodeSpec(
-            episode_id=claim.id,
-            attempt=claim.attempt,
-            env=claim.env,
-            task_split=claim.task_split,
-            task_index=claim.task_index,
-            sampling_params=claim.sampling_params,
-            max_turns=claim.max_turns,
-            max_response_tokens=claim.max_response_tokens,
-        )
         try:
-            result = await self.runner.run(spec)
+            result = await self.runner.run(claim.spec())
             # The result write must not be cut in half by a cancellation (shutdown, lost lease).
             stored = await asyncio.shield(self._store(claim, result))
             if stored and self.on_finished is not None:

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,12 +34,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import httpx
+import httpx  # noqa: E402
 
-from service.app import create_app
-from service.config import Settings
-from service.serving import serve_app
-from service.storage.db import run_migrations
+from service.app import create_app  # noqa: E402
+from service.config import Settings  # noqa: E402
+from service.serving import serve_app  # noqa: E402
+from service.storage.db import run_migrations  # noqa: E402
 
 PROBE_INTERVAL = 0.010
 _PATCHED: dict[str, Any] = {}
@@ -91,7 +90,9 @@ def sim_worker(latency: float) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
         deadline = time.monotonic() + SIM_START_TIMEOUT
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"sim worker exited: {process.stderr.read().decode() if process.stderr else ''}")
+                raise RuntimeError(
+                    f"sim worker exited: {process.stderr.read().decode() if process.stderr else ''}"
+                )
             try:
                 if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
                     break
@@ -108,6 +109,18 @@ def sim_worker(latency: float) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+class _LeaseCounter(logging.Handler):
+    """Counts the worker's lost-lease warnings (an overloaded loop renews leases too late)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lost = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "lost" in record.getMessage() and "lease" in record.getMessage():
+            self.lost += 1
 
 
 def patch_httpcore() -> None:
@@ -128,10 +141,10 @@ def patch_httpcore() -> None:
         return
     _PATCHED["sniffio"] = sync.current_async_library
     sync.current_async_library = auto.current_async_library = lambda: "asyncio"
-    original = AsyncConnectionPool._assign_requests_to_connections
-    _PATCHED["assign"] = original
+    _PATCHED["assign"] = AsyncConnectionPool._assign_requests_to_connections
 
     def assign(self: Any) -> list[Any]:
+        # httpcore 1.0.9's logic, with the idle count kept instead of recounted per connection.
         closing = []
         idle = sum(1 for connection in self._connections if connection.is_idle())
         for connection in list(self._connections):
@@ -144,8 +157,22 @@ def patch_httpcore() -> None:
                 self._connections.remove(connection)
                 closing.append(connection)
                 idle -= 1
-        # The rest as httpcore does it, with nothing left to clean up.
-        return closing + original(self)
+        for pool_request in [request for request in self._requests if request.is_queued()]:
+            origin = pool_request.request.url.origin
+            available = next(
+                (c for c in self._connections if c.can_handle_request(origin) and c.is_available()), None
+            )
+            if available is None and len(self._connections) >= self._max_connections:
+                spare = next((c for c in self._connections if c.is_idle()), None)
+                if spare is None:
+                    continue
+                self._connections.remove(spare)
+                closing.append(spare)
+            if available is None:
+                available = self.create_connection(origin)
+                self._connections.append(available)
+            pool_request.assign_to_connection(available)
+        return closing
 
     AsyncConnectionPool._assign_requests_to_connections = assign  # type: ignore[method-assign]
 
@@ -192,8 +219,12 @@ def lag_stats(lags: list[float]) -> dict[str, float]:
     def pct(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
 
-    return {"p50_ms": round(pct(0.50), 2), "p99_ms": round(pct(0.99), 2), "max_ms": round(ordered[-1] * 1e3, 2),
-            "samples": len(ordered)}
+    return {
+        "p50_ms": round(pct(0.50), 2),
+        "p99_ms": round(pct(0.99), 2),
+        "max_ms": round(ordered[-1] * 1e3, 2),
+        "samples": len(ordered),
+    }
 
 
 async def _run(
@@ -206,6 +237,7 @@ async def _run(
     executor: str,
     workers: int,
     max_inflight: int,
+    max_wall: float,
 ) -> dict[str, Any]:
     idle = LagProbe()
     idle.start()
@@ -222,6 +254,7 @@ async def _run(
         max_running_episodes=max(episodes, 2048),
         max_inflight_generates=max_inflight,
         log_level="WARNING",
+        shutdown_timeout_seconds=0,  # at the deadline, cancel what still runs
     )
     samples = max(1, episodes // SHOP_TEST_TASKS)
     tasks = min(episodes, SHOP_TEST_TASKS)
@@ -229,7 +262,11 @@ async def _run(
     async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=600) as client:
         probe = LagProbe()
         probe.start()
-        cpu0, sim_cpu0, env_cpu0 = time.process_time(), cpu_seconds_of(sim_pid), children_cpu_seconds(os.getpid(), sim_pid)
+        cpu0, sim_cpu0, env_cpu0 = (
+            time.process_time(),
+            cpu_seconds_of(sim_pid),
+            children_cpu_seconds(os.getpid(), sim_pid),
+        )
         started = time.perf_counter()
         response = await client.post(
             "/episodes",
@@ -245,9 +282,21 @@ async def _run(
         response.raise_for_status()
         batch_id = response.json()["batch_id"]
         submitted = time.perf_counter() - started
+        poll_errors: Counter[str] = Counter()
+        batch: dict[str, Any] = {"complete": False, "finished": 0, "counts": {}, "episodes": []}
         while True:
-            batch = (await client.get(f"/batches/{batch_id}", params={"wait": 5})).json()
-            if batch["complete"]:
+            remaining = max_wall - (time.perf_counter() - started)
+            wait = max(0.1, min(5.0, remaining))
+            try:
+                polled = await client.get(f"/batches/{batch_id}", params={"wait": wait})
+            except httpx.HTTPError as error:
+                poll_errors[type(error).__name__] += 1
+            else:
+                if polled.status_code == 200:
+                    batch = polled.json()
+                else:
+                    poll_errors[f"HTTP {polled.status_code}"] += 1
+            if batch["complete"] or time.perf_counter() - started >= max_wall:
                 break
         wall = time.perf_counter() - started
         env_cpu = children_cpu_seconds(os.getpid(), sim_pid) - env_cpu0
@@ -256,6 +305,8 @@ async def _run(
         loop_stats = await probe.stop()
 
     statuses = {status: count for status, count in batch["counts"].items() if count}
+    finished = int(batch["finished"])
+    # Episodes of complete groups only (a group is listed once all its samples ended).
     turns = [episode["num_turns"] or 0 for episode in batch["episodes"]]
     attempts = Counter(episode["attempt"] for episode in batch["episodes"])
     total_turns = sum(turns)
@@ -263,6 +314,9 @@ async def _run(
     ideal_wall = max_turns * latency
     return {
         "episodes": total,
+        "finished": finished,
+        "complete": bool(batch["complete"]),
+        "max_wall_s": max_wall,
         "latency_s": latency,
         "env_executor": executor,
         "env_workers": workers,
@@ -270,12 +324,13 @@ async def _run(
         "what_if_http_fix": bool(_PATCHED),
         "wall_s": round(wall, 3),
         "submit_s": round(submitted, 3),
-        "episodes_per_s": round(total / wall, 2),
+        "episodes_per_s": round(finished / wall, 2),
         "ideal_wall_s": round(ideal_wall, 3),
         "ideal_episodes_per_s": round(total / ideal_wall, 2) if ideal_wall else None,
-        "efficiency": round(ideal_wall / wall, 4) if ideal_wall else None,
+        # Achieved episodes/s over ideal episodes/s (= ideal wall / wall when the batch completed).
+        "efficiency": round((finished / wall) / (total / ideal_wall), 4) if ideal_wall else None,
         "turns": total_turns,
-        "turns_per_s": round(total_turns / wall, 2),
+        "turns_per_s": round(total_turns / wall, 2),  # turns of listed (complete-group) episodes
         "ideal_turns_per_s": round(total_turns / ideal_wall, 2) if ideal_wall else None,
         "mean_turns": round(total_turns / max(len(turns), 1), 2),
         "max_turns": max_turns,
@@ -291,6 +346,7 @@ async def _run(
         "sim_cpu_s": round(sim_cpu, 2),
         "cpus": os.cpu_count(),
         "statuses": statuses,
+        "poll_errors": dict(poll_errors),
         "attempts": {str(key): value for key, value in sorted(attempts.items())},
     }
 
@@ -302,62 +358,113 @@ def run_bench(
     workers: int = 2,
     max_inflight: int | None = None,
     http_fix: bool = False,
+    max_wall: float = 80.0,
 ) -> dict[str, Any]:
     logging.getLogger().setLevel(logging.WARNING)
+    counter = _LeaseCounter()
+    worker_logger = logging.getLogger("service.worker.worker")
+    worker_logger.addHandler(counter)
+    worker_logger.propagate = False
     if http_fix:
         patch_httpcore()
     try:
-        return _run_bench(episodes, latency, executor, workers, max_inflight or max(episodes, 2048))
+        result = _run_bench(
+            episodes, latency, executor, workers, max_inflight or max(episodes, 2048), max_wall
+        )
+        result["lost_lease_warnings"] = counter.lost
+        return result
     finally:
         unpatch_httpcore()
+        worker_logger.removeHandler(counter)
+        worker_logger.propagate = True
 
 
-def _run_bench(episodes: int, latency: float, executor: str, workers: int, max_inflight: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp, sim_worker(latency) as (sim_url, sim):
+def _run_bench(
+    episodes: int, latency: float, executor: str, workers: int, max_inflight: int, max_wall: float
+) -> dict[str, Any]:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp,
+        sim_worker(latency) as (sim_url, sim),
+    ):
         database_url = f"sqlite+aiosqlite:///{tmp}/bench.db"
         run_migrations(database_url)
         return asyncio.run(
-            _run(episodes=episodes, latency=latency, sim_url=sim_url, sim_pid=sim.pid, database_url=database_url,
-                 executor=executor, workers=workers, max_inflight=max_inflight)
+            _run(
+                episodes=episodes,
+                latency=latency,
+                sim_url=sim_url,
+                sim_pid=sim.pid,
+                database_url=database_url,
+                executor=executor,
+                workers=workers,
+                max_inflight=max_inflight,
+                max_wall=max_wall,
+            )
         )
 
 
-def report(result: dict[str, Any]) -> str:
-    return "\n".join([
-        f"{result['episodes']} episodes of builtin/shop, engine latency {result['latency_s']} s per generate, "
-        f"env executor {result['env_executor']} x {result['env_workers']}, {result['cpus']} CPUs, "
-        f"max_inflight_generates {result['max_inflight_generates']}"
-        + (" [WHAT-IF: httpcore patched in-process]" if result["what_if_http_fix"] else ""),
-        f"wall      {result['wall_s']:.2f} s (ideal {result['ideal_wall_s']:.2f} s = {result['max_turns']} turns x "
-        f"latency); efficiency {result['efficiency']:.1%}",
-        f"rate      {result['episodes_per_s']:.1f} episodes/s (ideal {result['ideal_episodes_per_s']:.1f}), "
-        f"{result['turns_per_s']:.1f} turns/s (ideal {result['ideal_turns_per_s']:.1f}); "
-        f"{result['mean_turns']:.2f} turns per episode",
-        f"loop lag  p50 {result['loop_lag_p50_ms']:.1f} ms, p99 {result['loop_lag_p99_ms']:.1f} ms, max "
-        f"{result['loop_lag_max_ms']:.1f} ms (idle: p50 {result['idle_loop_lag_p50_ms']:.2f}, p99 "
-        f"{result['idle_loop_lag_p99_ms']:.2f}, max {result['idle_loop_lag_max_ms']:.2f})",
-        f"CPU       service {result['service_cpu_s']:.1f} s, env workers {result['env_workers_cpu_s']:.1f} s, "
-        f"sim worker {result['sim_cpu_s']:.1f} s over {result['wall_s']:.1f} s wall",
-        f"statuses  {result['statuses']}; attempts {result['attempts']}",
-    ])
+def report(r: dict[str, Any]) -> str:
+    done = (
+        ""
+        if r["complete"]
+        else (f"DEADLINE: only {r['finished']} of {r['episodes']} finished within {r['max_wall_s']:.0f} s; ")
+    )
+    return "\n".join(
+        [
+            done
+            + f"{r['episodes']} episodes of builtin/shop, engine latency {r['latency_s']} s per generate, "
+            f"env executor {r['env_executor']} x {r['env_workers']}, {r['cpus']} CPUs, "
+            f"max_inflight_generates {r['max_inflight_generates']}"
+            + (" [WHAT-IF: httpcore patched in-process]" if r["what_if_http_fix"] else ""),
+            f"wall      {r['wall_s']:.2f} s (ideal {r['ideal_wall_s']:.2f} s = {r['max_turns']} turns x "
+            f"latency); efficiency {r['efficiency']:.1%}",
+            f"rate      {r['episodes_per_s']:.1f} episodes/s (ideal {r['ideal_episodes_per_s']:.1f}), "
+            f"{r['turns_per_s']:.1f} turns/s (ideal {r['ideal_turns_per_s']:.1f}); "
+            f"{r['mean_turns']:.2f} turns per episode",
+            f"loop lag  p50 {r['loop_lag_p50_ms']:.1f} ms, p99 {r['loop_lag_p99_ms']:.1f} ms, max "
+            f"{r['loop_lag_max_ms']:.1f} ms (idle: p50 {r['idle_loop_lag_p50_ms']:.2f}, p99 "
+            f"{r['idle_loop_lag_p99_ms']:.2f}, max {r['idle_loop_lag_max_ms']:.2f})",
+            f"CPU       service {r['service_cpu_s']:.1f} s, env workers {r['env_workers_cpu_s']:.1f} s, "
+            f"sim worker {r['sim_cpu_s']:.1f} s over {r['wall_s']:.1f} s wall",
+            f"statuses  {r['statuses']}; attempts {r['attempts']}; "
+            f"lost-lease warnings {r['lost_lease_warnings']}; GET /batches errors {r['poll_errors']}",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--episodes", type=int, default=2000)
     parser.add_argument("--latency", type=float, default=0.5)
     parser.add_argument("--env-executor", choices=["thread", "process"], default="thread")
     parser.add_argument("--env-workers", type=int, default=2)
-    parser.add_argument("--max-inflight", type=int, default=None,
-                        help="Settings.max_inflight_generates (default: max(episodes, 2048))")
-    parser.add_argument("--what-if-http-fix", action="store_true",
-                        help="patch two httpcore hot spots in-process (see patch_httpcore); not the service as is")
+    parser.add_argument(
+        "--max-inflight",
+        type=int,
+        default=None,
+        help="Settings.max_inflight_generates (default: max(episodes, 2048))",
+    )
+    parser.add_argument(
+        "--what-if-http-fix",
+        action="store_true",
+        help="patch two httpcore hot spots in-process (see patch_httpcore); not the service as is",
+    )
+    parser.add_argument("--max-wall", type=float, default=80.0, help="stop waiting after this many seconds")
     parser.add_argument("--quick", action="store_true", help="50 episodes, 0.05 s latency (smoke test)")
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.latency = 50, 0.05
-    result = run_bench(args.episodes, args.latency, args.env_executor, args.env_workers, args.max_inflight,
-                       args.what_if_http_fix)
+    result = run_bench(
+        args.episodes,
+        args.latency,
+        args.env_executor,
+        args.env_workers,
+        args.max_inflight,
+        args.what_if_http_fix,
+        args.max_wall,
+    )
     print(report(result))
     print(json.dumps(result))
     return result

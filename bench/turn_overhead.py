@@ -68,8 +68,14 @@ def _prose(rng: random.Random, chars: int) -> str:
 def system_prompt(rng: random.Random, chars: int = 6000) -> str:
     """A wiki like tau-bench retail's: headed sections of policy prose and bullet lists."""
     sections = ["# Retail agent policy", ""]
-    titles = ["Domain basic", "Cancel pending order", "Modify pending order", "Return delivered order",
-              "Exchange delivered order", "Transfer to human agents"]
+    titles = [
+        "Domain basic",
+        "Cancel pending order",
+        "Modify pending order",
+        "Return delivered order",
+        "Exchange delivered order",
+        "Transfer to human agents",
+    ]
     per_section = chars // len(titles)
     for title in titles:
         sections.append(f"## {title}")
@@ -83,14 +89,41 @@ def system_prompt(rng: random.Random, chars: int = 6000) -> str:
 
 
 _TOOL_NAMES = [
-    "calculate", "cancel_pending_order", "exchange_delivered_order_items", "find_user_id_by_email",
-    "find_user_id_by_name_zip", "get_order_details", "get_product_details", "get_user_details",
-    "list_all_product_types", "modify_pending_order_address", "modify_pending_order_items",
-    "modify_pending_order_payment", "modify_user_address", "return_delivered_order_items", "think",
+    "calculate",
+    "cancel_pending_order",
+    "exchange_delivered_order_items",
+    "find_user_id_by_email",
+    "find_user_id_by_name_zip",
+    "get_order_details",
+    "get_product_details",
+    "get_user_details",
+    "list_all_product_types",
+    "modify_pending_order_address",
+    "modify_pending_order_items",
+    "modify_pending_order_payment",
+    "modify_user_address",
+    "return_delivered_order_items",
+    "think",
     "transfer_to_human_agents",
 ]
-_PARAMS = ["order_id", "user_id", "item_ids", "new_item_ids", "payment_method_id", "reason", "address1",
-           "address2", "city", "state", "country", "zip", "email", "first_name", "last_name", "expression"]
+_PARAMS = [
+    "order_id",
+    "user_id",
+    "item_ids",
+    "new_item_ids",
+    "payment_method_id",
+    "reason",
+    "address1",
+    "address2",
+    "city",
+    "state",
+    "country",
+    "zip",
+    "email",
+    "first_name",
+    "last_name",
+    "expression",
+]
 
 
 def tools(rng: random.Random) -> list[dict[str, Any]]:
@@ -101,18 +134,23 @@ def tools(rng: random.Random) -> list[dict[str, Any]]:
         properties: dict[str, Any] = {}
         for param in names:
             if param.endswith("_ids"):
-                properties[param] = {"type": "array", "items": {"type": "string"},
-                                     "description": _prose(rng, rng.randint(60, 160))}
+                properties[param] = {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "description": _prose(rng, rng.randint(60, 160)),
+                }
             else:
                 properties[param] = {"type": "string", "description": _prose(rng, rng.randint(40, 140))}
-        result.append({
-            "type": "function",
-            "function": {
-                "name": name,
-                "description": _prose(rng, rng.randint(80, 400)),
-                "parameters": {"type": "object", "properties": properties, "required": names},
-            },
-        })
+        result.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": _prose(rng, rng.randint(80, 400)),
+                    "parameters": {"type": "object", "properties": properties, "required": names},
+                },
+            }
+        )
     return result
 
 
@@ -129,18 +167,29 @@ def conversation(rng: random.Random, tokenizer: Any, turns: int) -> list[Turn]:
     result = []
     for _ in range(turns):
         name = rng.choice(_TOOL_NAMES)
-        arguments = {"order_id": f"#W{rng.randint(1000000, 9999999)}", "note": _prose(rng, rng.randint(20, 120))}
+        arguments = {
+            "order_id": f"#W{rng.randint(1000000, 9999999)}",
+            "note": _prose(rng, rng.randint(20, 120)),
+        }
         call = json.dumps({"name": name, "arguments": arguments})
         preface = _prose(rng, rng.randint(0, 80)).strip()
         text = (preface + "\n" if preface else "") + f"<tool_call>\n{call}\n</tool_call>"
-        record = {"order_id": arguments["order_id"], "status": "pending",
-                  "items": [{"item_id": str(rng.randint(10**9, 10**10)), "name": rng.choice(_WORDS),
-                             "price": round(rng.uniform(5, 500), 2),
-                             "options": {"color": rng.choice(_WORDS), "size": rng.choice("SMLX")}}
-                            for _ in range(6)]}
+        record = {
+            "order_id": arguments["order_id"],
+            "status": "pending",
+            "items": [
+                {
+                    "item_id": str(rng.randint(10**9, 10**10)),
+                    "name": rng.choice(_WORDS),
+                    "price": round(rng.uniform(5, 500), 2),
+                    "options": {"color": rng.choice(_WORDS), "size": rng.choice("SMLX")},
+                }
+                for _ in range(6)
+            ],
+        }
         result_text = json.dumps(record)
         result_text = (result_text + " " + _prose(rng, 1000))[:1000]
-        ids = list(tokenizer.encode(text, add_special_tokens=False)) + [eos]
+        ids = [*tokenizer.encode(text, add_special_tokens=False), eos]
         result.append(Turn(text, ids, name, result_text))
     return result
 
@@ -159,7 +208,9 @@ class SeedPipeline:
         self.engine_seconds = 0.0  # CPU time of the engine-side tokenization, accumulated
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool) -> str:
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=gen
+        )
         return str(text)
 
     def _prompt_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
@@ -181,7 +232,10 @@ class SeedPipeline:
         return list(ids)
 
     def run(self, system: str, tools: list[dict[str, Any]], first: str, turns: list[Turn]) -> int:
-        messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": first}]
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": first},
+        ]
         prompt_ids = self.tokenizer(self._prompt_text(messages, tools), add_special_tokens=False)["input_ids"]
         response_ids: list[int] = []
         loss_mask: list[int] = []
@@ -261,8 +315,9 @@ def _json_share(
         inputs.append(trajectory.input_ids())
         trajectory.add_sampled(turn.sampled_ids, [0.0] * len(turn.sampled_ids))
         trajectory.add_context(ours.chat.closing_ids(turn.sampled_ids))
-        trajectory.add_context(ours.chat.message_ids({"role": "tool", "name": turn.tool_name,
-                                                      "content": turn.tool_result}))
+        trajectory.add_context(
+            ours.chat.message_ids({"role": "tool", "name": turn.tool_name, "content": turn.tool_result})
+        )
     samples = []
     for _ in range(repeats):
         started = time.process_time()
@@ -276,7 +331,9 @@ def run_bench(turns: int = 30, repeats: int = 5, system_chars: int = 6000) -> di
     rng = random.Random(SEED)
     tokenizer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
     chat = ChatTokenizer(
-        tokenizer, tool_instruction=ONE_CALL_TOOL_INSTRUCTION, template_tool_instruction=TEMPLATE_TOOL_INSTRUCTION
+        tokenizer,
+        tool_instruction=ONE_CALL_TOOL_INSTRUCTION,
+        template_tool_instruction=TEMPLATE_TOOL_INSTRUCTION,
     )
     system = system_prompt(rng, system_chars)
     tool_list = tools(rng)
@@ -308,7 +365,7 @@ def run_bench(turns: int = 30, repeats: int = 5, system_chars: int = 6000) -> di
         return statistics.median(sample[index] for sample in samples)
 
     seed_cpu, seed_wall, seed_engine = (median(seed_samples, i) for i in range(3))
-    ours_cpu, ours_wall, ours_engine = (median(ours_samples, i) for i in range(3))
+    ours_cpu, ours_wall = (median(ours_samples, i) for i in range(2))
     seed_orchestrator = statistics.median(cpu - engine for cpu, _, engine, _ in seed_samples)
     ours_orchestrator = statistics.median(cpu - engine for cpu, _, engine, _ in ours_samples)
     incremental_cpu = median(incremental_samples, 0)
@@ -341,26 +398,28 @@ def run_bench(turns: int = 30, repeats: int = 5, system_chars: int = 6000) -> di
     }
 
 
-def report(result: dict[str, Any]) -> str:
+def report(r: dict[str, Any]) -> str:
     lines = [
-        f"conversation: {result['turns']} turns, system prompt {result['system_prompt_chars']} chars, "
-        f"{result['tools']} tools ({result['tools_json_chars']} chars of JSON), tool results "
-        f"{result['tool_result_chars']} chars; final context {result['final_tokens']} tokens",
-        f"seed  {result['seed_ms']:9.2f} ms CPU ({result['seed_orchestrator_ms']:.2f} orchestrator + "
-        f"{result['seed_engine_tokenize_ms']:.2f} engine tokenization)  {result['seed_ms_per_turn']:.3f} ms/turn",
-        f"ours  {result['ours_ms']:9.2f} ms CPU ({result['ours_orchestrator_ms']:.2f} orchestrator + 0 engine)"
-        f"  {result['ours_ms_per_turn']:.3f} ms/turn",
-        f"      of which {result['ours_json_encode_ms']:.2f} ms is JSON-encoding P + R for each request "
-        f"(quadratic in turns); with an incremental JSON prefix: {result['ours_incremental_json_ms']:.2f} ms "
-        f"({result['ratio_incremental_json']:.1f}x)",
-        f"ratio {result['ratio']:.1f}x total, {result['orchestrator_ratio']:.1f}x orchestrator only, "
-        f"{result['wall_ratio']:.1f}x wall (medians of {result['repeats']})",
+        f"conversation: {r['turns']} turns, system prompt {r['system_prompt_chars']} chars, "
+        f"{r['tools']} tools ({r['tools_json_chars']} chars of JSON), tool results "
+        f"{r['tool_result_chars']} chars; final context {r['final_tokens']} tokens",
+        f"seed  {r['seed_ms']:9.2f} ms CPU ({r['seed_orchestrator_ms']:.2f} orchestrator + "
+        f"{r['seed_engine_tokenize_ms']:.2f} engine tokenization)  {r['seed_ms_per_turn']:.3f} ms/turn",
+        f"ours  {r['ours_ms']:9.2f} ms CPU ({r['ours_orchestrator_ms']:.2f} orchestrator + 0 engine)"
+        f"  {r['ours_ms_per_turn']:.3f} ms/turn",
+        f"      of which {r['ours_json_encode_ms']:.2f} ms is JSON-encoding P + R for each request "
+        f"(quadratic in turns); with an incremental JSON prefix: {r['ours_incremental_json_ms']:.2f} ms "
+        f"({r['ratio_incremental_json']:.1f}x)",
+        f"ratio {r['ratio']:.1f}x total, {r['orchestrator_ratio']:.1f}x orchestrator only, "
+        f"{r['wall_ratio']:.1f}x wall (medians of {r['repeats']})",
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--turns", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--system-chars", type=int, default=6000)

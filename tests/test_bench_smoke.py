@@ -45,8 +45,16 @@ def test_turn_overhead_quick(capsys: pytest.CaptureFixture[str]) -> None:
     result = last_json_line(capsys.readouterr().out)
     assert result == json.loads(json.dumps(returned))
     assert result["turns"] == 4 and result["tools"] == 16
-    assert_positive(result, "seed_ms", "ours_ms", "ratio", "orchestrator_ratio", "ours_ms_per_turn",
-                    "system_prompt_chars", "final_tokens")
+    assert_positive(
+        result,
+        "seed_ms",
+        "ours_ms",
+        "ratio",
+        "orchestrator_ratio",
+        "ours_ms_per_turn",
+        "system_prompt_chars",
+        "final_tokens",
+    )
     # Both pipelines account the same conversation, give or take re-tokenization drift.
     assert abs(result["final_tokens"] - result["seed_final_tokens"]) < 0.05 * result["final_tokens"]
 
@@ -56,8 +64,17 @@ def test_batch_pull_quick(capsys: pytest.CaptureFixture[str]) -> None:
     bench.main(["--quick"])
     result = last_json_line(capsys.readouterr().out)
     assert result["episodes"] == 16
-    assert_positive(result, "arrow_bytes", "arrow_s", "arrow_mb_per_s", "json_bytes", "json_s", "json_mb_per_s",
-                    "ratio", "verified_episodes")
+    assert_positive(
+        result,
+        "arrow_bytes",
+        "arrow_s",
+        "arrow_mb_per_s",
+        "json_bytes",
+        "json_s",
+        "json_mb_per_s",
+        "ratio",
+        "verified_episodes",
+    )
     assert result["json_path"]
 
 
@@ -69,5 +86,13 @@ def test_concurrency_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["episodes"] == 50
     assert sum(result["statuses"].values()) == 50
     assert "failed" not in result["statuses"]
-    assert_positive(result, "wall_s", "episodes_per_s", "ideal_episodes_per_s", "efficiency", "turns",
-                    "loop_lag_max_ms", "idle_loop_lag_max_ms")
+    assert_positive(
+        result,
+        "wall_s",
+        "episodes_per_s",
+        "ideal_episodes_per_s",
+        "efficiency",
+        "turns",
+        "loop_lag_max_ms",
+        "idle_loop_lag_max_ms",
+    )

@@ -16,7 +16,7 @@ from service.api.errors import install_error_handlers
 from service.api.middleware import install_middleware
 from service.app_state import Services
 from service.config import Settings
-from service.engine.client import SGLangClient
+from service.engine.client import SGLangClient, make_generate_pools
 from service.envs.base import UserSimConfig
 from service.envs.host import EnvHost
 from service.envs.registry import available_envs
@@ -61,10 +61,8 @@ async def lifespan(
     if not settings.api_key_list:
         logger.warning("API_KEYS is not set: the API accepts requests from anyone who can reach it")
     database = Database.open(settings.database_url)
-    http = httpx.AsyncClient(
-        timeout=httpx.Timeout(settings.engine_timeout_seconds, connect=10.0),
-        limits=httpx.Limits(max_connections=settings.max_inflight_generates, max_keepalive_connections=256),
-    )
+    http = httpx.AsyncClient(timeout=httpx.Timeout(settings.engine_timeout_seconds, connect=10.0))
+    generate_pools = make_generate_pools(settings.max_inflight_generates, settings.engine_timeout_seconds)
     engine = SGLangClient(
         http,
         settings.sglang_url,
@@ -73,6 +71,7 @@ async def lifespan(
         backoff_seconds=settings.engine_backoff_seconds,
         timeout_seconds=settings.engine_timeout_seconds,
         worker_urls=settings.worker_url_list,
+        generate_pools=generate_pools,
     )
     services = Services(
         settings=settings,
@@ -106,7 +105,8 @@ async def lifespan(
             await services.worker.stop()
         if services.env_host is not None:
             await services.env_host.close()
-        await http.aclose()
+        for client in (http, *generate_pools):
+            await client.aclose()
         await database.dispose()
 
 

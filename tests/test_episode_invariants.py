@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import cycle, islice
 from typing import Any
@@ -57,7 +58,15 @@ class RecordingEngine:
     variant: ChatVariant
     calls: list[tuple[list[int], Generation]] = field(default_factory=list)
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> Generation:
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        *,
+        input_ids_json: str | None = None,
+    ) -> Generation:
+        assert input_ids_json is not None and json.loads(input_ids_json) == list(input_ids)
         plan = self.turns[len(self.calls)]
         if plan.kind == "tool":
             call = json.dumps({"name": "lookup", "arguments": {"q": plan.body[:20]}})

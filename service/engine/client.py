@@ -7,7 +7,11 @@ defensively, and control calls (abort) go to every worker because the router doe
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +23,24 @@ FINISH_TYPES = frozenset({"stop", "length", "abort"})
 # HTTP statuses worth another try: the server or the router is overloaded or restarting.
 RETRYABLE_STATUS = frozenset({408, 429})
 CONTROL_TIMEOUT_SECONDS = 10.0
+JSON_HEADERS = {"content-type": "application/json"}
+# httpcore scans its whole pool on every request start and end: with thousands of connections in
+# one pool that is quadratic CPU (measured: the service's core saturated at 2,000 episodes).
+# Generate calls are spread over pools of at most this many connections, an episode sticking to one.
+CONNECTIONS_PER_POOL = 16
+
+
+def make_generate_pools(max_inflight: int, timeout_seconds: float) -> list[httpx.AsyncClient]:
+    """HTTP clients for /generate: enough pools of CONNECTIONS_PER_POOL for `max_inflight` calls."""
+    pools = math.ceil(max_inflight / CONNECTIONS_PER_POOL)
+    per_pool = math.ceil(max_inflight / pools)
+    return [
+        httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_seconds, connect=10.0),
+            limits=httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool),
+        )
+        for _ in range(pools)
+    ]
 
 
 class EngineError(Exception):
@@ -173,7 +195,11 @@ def _list(value: Any, what: str) -> list[Any]:
 
 
 class SGLangClient:
-    """Calls one SGLang worker or the SGLang router, on one shared `httpx.AsyncClient`."""
+    """Calls one SGLang worker or the SGLang router.
+
+    `http` (the app's shared client) carries control calls; `/generate` goes over
+    `generate_pools` (default: `http` alone), each episode always over the same pool.
+    """
 
     def __init__(
         self,
@@ -185,8 +211,10 @@ class SGLangClient:
         backoff_seconds: float,
         timeout_seconds: float,
         worker_urls: list[str] | None = None,
+        generate_pools: Sequence[httpx.AsyncClient] = (),
     ) -> None:
         self._http = http
+        self._generate_http = list(generate_pools) or [http]
         self.base_url = base_url.rstrip("/")
         self._inflight = asyncio.BoundedSemaphore(max_inflight)
         self._max_inflight = max_inflight
@@ -200,20 +228,32 @@ class SGLangClient:
         """Generate calls holding a slot now (waiting ones excluded)."""
         return self._max_inflight - self._inflight._value
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str) -> Generation:
-        """One generation from exactly `input_ids`. Retries transient failures with exponential backoff."""
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        *,
+        input_ids_json: str | None = None,
+    ) -> Generation:
+        """One generation from exactly `input_ids`. Retries transient failures with exponential backoff.
+
+        `input_ids_json`, the ids already encoded as a JSON array, spares re-encoding a long
+        conversation on every turn (see Trajectory.input_ids_json).
+        """
         url = f"{self.base_url}/generate"
+        encoded_ids = input_ids_json if input_ids_json is not None else json.dumps(list(input_ids))
+        encoded_params = json.dumps(sampling_params)
+        http = self._generate_client(rid)
         attempt = 0
         attempt_rid = rid
         while True:
             # Only fields the router's typed schema keeps: anything else would be dropped on the way.
-            payload = {
-                "input_ids": input_ids,
-                "sampling_params": sampling_params,
-                "return_logprob": True,
-                "rid": attempt_rid,
-            }
-            result = await self._post_generate(url, payload)
+            body = (
+                f'{{"input_ids":{encoded_ids},"sampling_params":{encoded_params},'
+                f'"return_logprob":true,"rid":{json.dumps(attempt_rid)}}}'
+            )
+            result = await self._post_generate(http, url, body.encode())
             if isinstance(result, Generation):
                 return result
             if result.may_be_running:
@@ -231,11 +271,18 @@ class SGLangClient:
             attempt += 1
             await asyncio.sleep(delay)
 
-    async def _post_generate(self, url: str, payload: dict[str, Any]) -> Generation | _Failure:
+    def _generate_client(self, rid: str) -> httpx.AsyncClient:
+        """One of the generate pools, the same for every turn of an episode (its rid prefix)."""
+        episode = rid.split(":", 1)[0]
+        return self._generate_http[zlib.crc32(episode.encode()) % len(self._generate_http)]
+
+    async def _post_generate(self, http: httpx.AsyncClient, url: str, body: bytes) -> Generation | _Failure:
         """One attempt: the Generation, or a retryable failure."""
         async with self._inflight:
             try:
-                response = await self._http.post(url, json=payload, timeout=self._timeout_seconds)
+                response = await http.post(
+                    url, content=body, headers=JSON_HEADERS, timeout=self._timeout_seconds
+                )
             except (httpx.ConnectError, httpx.ConnectTimeout) as error:
                 return _Failure(f"{type(error).__name__}: {error}")
             except httpx.TransportError as error:  # read timeouts, dropped connections

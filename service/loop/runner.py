@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from service.engine.client import EngineError, EngineRequestError, Generation
@@ -26,7 +27,12 @@ INFRASTRUCTURE_ENV_ERRORS = ("UserSimulatorError",)
 
 class Engine(Protocol):
     async def generate(
-        self, input_ids: list[int], sampling_params: dict[str, Any], rid: str
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        *,
+        input_ids_json: str | None = None,
     ) -> Generation: ...
 
     async def abort(self, rid: str) -> None: ...
@@ -122,7 +128,9 @@ class EpisodeRunner:
 
         started = time.perf_counter()
         rid = f"{spec.episode_id}:{spec.attempt}:{turn}"
-        generation = await self.engine.generate(trajectory.input_ids(), params, rid)
+        generation = await self.engine.generate(
+            trajectory.input_ids(), params, rid, input_ids_json=trajectory.input_ids_json()
+        )
         record = TurnRecord(
             turn=turn,
             weight_version=generation.weight_version,

@@ -41,9 +41,24 @@ class Trajectory:
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # P + R as JSON number text, extended as R grows: encoding the whole conversation on every
+    # turn would cost quadratic time over an episode (half our per-turn CPU at 30 turns).
+    _encoded: list[str] = field(default_factory=list, repr=False)
+    _encoded_count: int = field(default=0, repr=False)
 
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
+
+    def input_ids_json(self) -> str:
+        """`json.dumps(self.input_ids())`, computed from the new ids only."""
+        if not self._encoded_count and self.prompt_ids:
+            self._encoded.append(",".join(map(str, self.prompt_ids)))
+            self._encoded_count = len(self.prompt_ids)
+        new = self.response_ids[self._encoded_count - len(self.prompt_ids) :]
+        if new:
+            self._encoded.append(",".join(map(str, new)))
+            self._encoded_count += len(new)
+        return f"[{','.join(self._encoded)}]"
 
     def add_sampled(self, ids: list[int], logprobs: list[float]) -> None:
         if len(ids) != len(logprobs):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import String, cast, literal, select, update
+from sqlalchemy import ColumnElement, String, cast, literal, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.loop.records import EpisodeSpec
@@ -213,11 +213,19 @@ async def renew_leases(
     return renewed
 
 
-async def requeue_expired(sm: SessionMaker, max_attempts: int, *, now: datetime | None = None) -> int:
+async def requeue_expired(
+    sm: SessionMaker, max_attempts: int, *, spare_owner: str | None = None, now: datetime | None = None
+) -> int:
     """Re-queue running episodes whose lease expired, with attempt + 1; an episode that already ran
-    `max_attempts` times fails instead. Returns how many episodes were re-queued or failed."""
+    `max_attempts` times fails instead. Returns how many episodes were re-queued or failed.
+
+    `spare_owner`: a live worker's own episodes are left alone; its heartbeat may merely be late
+    under load, and re-queuing them would throw their work away.
+    """
     now = now or utcnow()
-    expired = (Episode.status == _RUNNING, Episode.lease_expires_at < now)
+    expired: tuple[ColumnElement[bool], ...] = (Episode.status == _RUNNING, Episode.lease_expires_at < now)
+    if spare_owner is not None:
+        expired = (*expired, Episode.lease_owner != spare_owner)
     used_up = Episode.attempt + 1 >= max_attempts
     async with sm.begin() as session:
         failed = await session.scalars(

@@ -15,6 +15,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.config import Settings
@@ -26,6 +28,8 @@ from service.storage.queue import ClaimedEpisode, EpisodeOutcome
 logger = logging.getLogger(__name__)
 
 CLAIM_BATCH = 256  # episodes claimed in one transaction, at most
+STORE_ATTEMPTS = 5  # tries to write a result before leaving the episode to its lease's expiry
+STORE_BACKOFF_SECONDS = 0.2  # first delay between those tries; doubles
 FinishedHook = Callable[[ClaimedEpisode, EpisodeResult], None]
 
 
@@ -96,19 +100,19 @@ class EpisodeWorker:
 
     async def _claim_loop(self) -> None:
         while not self._stopping.is_set():
-            capacity = self.settings.max_running_episodes - len(self.running)
+            limit = min(self.settings.max_running_episodes - len(self.running), CLAIM_BATCH)
             claimed: list[ClaimedEpisode] = []
-            if capacity > 0:
+            if limit > 0:
                 try:
                     claimed = await queue.claim_episodes(
-                        self.sessionmaker, self.worker_id, min(capacity, CLAIM_BATCH), self.settings.lease_seconds
+                        self.sessionmaker, self.worker_id, limit, self.settings.lease_seconds
                     )
                 except Exception:  # the database may be briefly unreachable; keep the worker alive
                     logger.exception("claiming episodes failed; retrying")
             for claim in claimed:
                 task = asyncio.create_task(self._run(claim), name=f"episode {claim.id}")
                 self.running[claim.id] = _Running(claim, task)
-            if claimed and len(claimed) == min(capacity, CLAIM_BATCH):
+            if claimed and len(claimed) == limit:
                 continue  # more may be waiting
             self._wake.clear()
             try:
@@ -146,9 +150,20 @@ class EpisodeWorker:
             error=result.error,
             num_turns=len(result.turns),
         )
-        stored = await queue.finish_episode(
-            self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome
-        )
+        for attempt in range(STORE_ATTEMPTS):
+            try:
+                stored = await queue.finish_episode(
+                    self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome
+                )
+                break
+            except (DBAPIError, SQLAlchemyTimeoutError) as error:  # a busy or briefly unreachable DB
+                delay = STORE_BACKOFF_SECONDS * 2**attempt
+                logger.warning("storing episode %s failed (%s); retry in %.1f s", claim.id, error, delay)
+                await asyncio.sleep(delay)
+        else:
+            # Not lost: its lease expires and the episode runs again.
+            logger.error("episode %s not stored after %d tries; it will run again", claim.id, STORE_ATTEMPTS)
+            return False
         if not stored:
             logger.warning("episode %s attempt %d lost its lease; result discarded", claim.id, claim.attempt)
         return stored
@@ -176,7 +191,9 @@ class EpisodeWorker:
     async def _sweep_loop(self) -> None:
         while True:
             try:
-                count = await queue.requeue_expired(self.sessionmaker, self.settings.max_attempts)
+                count = await queue.requeue_expired(
+                    self.sessionmaker, self.settings.max_attempts, spare_owner=self.worker_id
+                )
                 if count:
                     logger.info("re-queued %d episodes whose lease expired", count)
                     self.wake()

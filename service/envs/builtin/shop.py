@@ -7,7 +7,6 @@ equals the one the ground-truth actions produce (tau-bench's rule).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import random
@@ -117,6 +116,15 @@ def _generate_database() -> dict[str, Any]:
 def _initial_database() -> dict[str, Any]:
     return _generate_database()
 
+
+def fresh_database() -> dict[str, Any]:
+    """A private copy of the initial database for one episode.
+
+    Copy-on-write: tools never change a user or an order in place, they replace the order's entry
+    (see _cancel, _modify_address), so copying the orders map is enough and costs microseconds.
+    """
+    initial = _initial_database()
+    return {"users": initial["users"], "orders": dict(initial["orders"])}
 
 @dataclass(frozen=True)
 class Task:
@@ -255,7 +263,7 @@ class ShopEnv:
         if not 0 <= task_index < len(split_tasks):
             raise IndexError(f"task_index {task_index} out of range 0..{len(split_tasks) - 1}")
         self.task = split_tasks[task_index]
-        self.database = copy.deepcopy(_initial_database())
+        self.database = fresh_database()
         return Reset(self.task.instruction, {"task": _task_info(self.task), "split": self.split})
 
     def step(self, action: Action) -> Step:
@@ -273,7 +281,7 @@ class ShopEnv:
 
     def _end(self, observation: str) -> Step:
         assert self.task is not None
-        expected = copy.deepcopy(_initial_database())
+        expected = fresh_database()
         for action in self.task.actions:
             run_tool(expected, action)
         matched = database_hash(self.database) == database_hash(expected)

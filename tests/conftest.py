@@ -163,7 +163,6 @@ async def db(database_url: str) -> AsyncIterator[Database]:
 # ---- the service over HTTP, against a simulated SGLang worker ----
 
 
-
 @pytest.fixture
 def sim() -> Iterator[tuple[SimWorker, str]]:
     """A simulated SGLang worker on a free port: (its state and request log, its URL)."""

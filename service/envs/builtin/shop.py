@@ -126,6 +126,7 @@ def fresh_database() -> dict[str, Any]:
     initial = _initial_database()
     return {"users": initial["users"], "orders": dict(initial["orders"])}
 
+
 @dataclass(frozen=True)
 class Task:
     user_id: str

@@ -38,6 +38,7 @@ from httpx._content import encode_json  # what httpx does with `json=`: the requ
 from transformers import AutoTokenizer
 
 from service.config import ONE_CALL_TOOL_INSTRUCTION, TEMPLATE_TOOL_INSTRUCTION, TEST_TOKENIZER_DIR
+from service.engine.client import generate_body
 from service.loop.tokens import ChatTokenizer, Trajectory
 from service.loop.toolcalls import parse_qwen25
 
@@ -260,33 +261,19 @@ class SeedPipeline:
 
 
 class OurPipeline:
-    """The runner's token work: ChatTokenizer + Trajectory + parse_qwen25, ids in the request."""
+    """The runner's token work: ChatTokenizer + Trajectory + parse_qwen25, and the request body
+    built as SGLangClient builds it (ids encoded incrementally, never re-tokenized by the engine)."""
 
-    def __init__(self, chat: ChatTokenizer, *, incremental_json: bool = False) -> None:
+    def __init__(self, chat: ChatTokenizer) -> None:
         self.chat = chat
         self.engine_seconds = 0.0  # ids are not re-tokenized by the engine
-        # What-if (not the service's code today): keep the JSON text of P + R and append each
-        # turn's new ids, instead of encoding the whole list again on every request.
-        self.incremental_json = incremental_json
-        self._json_prefix: list[str] = []
-        self._json_count = 0
-
-    def _request_body(self, trajectory: Trajectory, input_ids: list[int]) -> bytes:
-        if not self.incremental_json:
-            return b"".join(encode_json({"input_ids": input_ids, "sampling_params": SAMPLING_PARAMS})[1])
-        if self._json_count > len(input_ids):
-            self._json_prefix, self._json_count = [], 0  # a new episode
-        self._json_prefix.append(",".join(map(str, input_ids[self._json_count :])))
-        self._json_count = len(input_ids)
-        ids_text = ",".join(part for part in self._json_prefix if part)
-        params = json.dumps(SAMPLING_PARAMS, separators=(",", ":"))
-        return f'{{"input_ids":[{ids_text}],"sampling_params":{params}}}'.encode()
+        self.params_json = json.dumps(SAMPLING_PARAMS, separators=(",", ":"))
 
     def run(self, system: str, tools: list[dict[str, Any]], first: str, turns: list[Turn]) -> int:
         trajectory = Trajectory(self.chat.prompt_ids(system, tools, first))
         for turn in turns:
-            input_ids = trajectory.input_ids()
-            self._request_body(trajectory, input_ids)
+            trajectory.input_ids()  # what the runner hands the client beside the encoded ids
+            generate_body(trajectory.input_ids_json(), self.params_json, "episode:0:0")
             sampled = turn.sampled_ids
             trajectory.add_sampled(sampled, [-0.5] * len(sampled))
             content = self.chat.sampled_text(sampled)
@@ -308,7 +295,8 @@ def _measure(run: Callable[[], int], pipeline: Any) -> tuple[float, float, float
 def _json_share(
     ours: OurPipeline, system: str, tools: list[dict[str, Any]], first: str, turns: list[Turn], repeats: int
 ) -> float:
-    """CPU seconds of the request bodies alone (httpx's json= encoding of P + R), per episode."""
+    """CPU seconds that encoding the whole P + R list for every request (httpx's json=) would cost
+    per episode: what Trajectory.input_ids_json avoids."""
     trajectory = Trajectory(ours.chat.prompt_ids(system, tools, first))
     inputs = []
     for turn in turns:
@@ -342,7 +330,6 @@ def run_bench(turns: int = 30, repeats: int = 5, system_chars: int = 6000) -> di
 
     seed = SeedPipeline(tokenizer, ONE_CALL_TOOL_INSTRUCTION, TEMPLATE_TOOL_INSTRUCTION)
     ours = OurPipeline(chat)
-    ours_incremental = OurPipeline(chat, incremental_json=True)
 
     def seed_run() -> int:
         return seed.run(system, tool_list, first, convo)
@@ -350,15 +337,11 @@ def run_bench(turns: int = 30, repeats: int = 5, system_chars: int = 6000) -> di
     def ours_run() -> int:
         return ours.run(system, tool_list, first, convo)
 
-    def incremental_run() -> int:
-        return ours_incremental.run(system, tool_list, first, convo)
-
-    seed_run(), ours_run(), incremental_run()  # warm-up: template compilation, caches
-    seed_samples, ours_samples, incremental_samples = [], [], []
-    for _ in range(repeats):  # interleaved, so drift of the machine hits all alike
+    seed_run(), ours_run()  # warm-up: template compilation, caches
+    seed_samples, ours_samples = [], []
+    for _ in range(repeats):  # interleaved, so drift of the machine hits both alike
         seed_samples.append(_measure(seed_run, seed))
         ours_samples.append(_measure(ours_run, ours))
-        incremental_samples.append(_measure(incremental_run, ours_incremental))
     json_seconds = _json_share(ours, system, tool_list, first, convo, repeats)
 
     def median(samples: list[tuple[float, float, float, int]], index: int) -> float:
@@ -368,7 +351,6 @@ def run_bench(turns: int = 30, repeats: int = 5, system_chars: int = 6000) -> di
     ours_cpu, ours_wall = (median(ours_samples, i) for i in range(2))
     seed_orchestrator = statistics.median(cpu - engine for cpu, _, engine, _ in seed_samples)
     ours_orchestrator = statistics.median(cpu - engine for cpu, _, engine, _ in ours_samples)
-    incremental_cpu = median(incremental_samples, 0)
     tool_chars = len(json.dumps(tool_list))
     return {
         "turns": turns,
@@ -380,9 +362,7 @@ def run_bench(turns: int = 30, repeats: int = 5, system_chars: int = 6000) -> di
         "seed_engine_tokenize_ms": round(seed_engine * 1e3, 2),
         "ours_orchestrator_ms": round(ours_orchestrator * 1e3, 2),
         "orchestrator_ratio": round(seed_orchestrator / ours_orchestrator, 2),
-        "ours_json_encode_ms": round(json_seconds * 1e3, 2),
-        "ours_incremental_json_ms": round(incremental_cpu * 1e3, 2),
-        "ratio_incremental_json": round(seed_cpu / incremental_cpu, 2),
+        "whole_list_json_ms": round(json_seconds * 1e3, 2),
         "seed_wall_ms": round(seed_wall * 1e3, 2),
         "ours_wall_ms": round(ours_wall * 1e3, 2),
         "wall_ratio": round(seed_wall / ours_wall, 2),
@@ -407,9 +387,8 @@ def report(r: dict[str, Any]) -> str:
         f"{r['seed_engine_tokenize_ms']:.2f} engine tokenization)  {r['seed_ms_per_turn']:.3f} ms/turn",
         f"ours  {r['ours_ms']:9.2f} ms CPU ({r['ours_orchestrator_ms']:.2f} orchestrator + 0 engine)"
         f"  {r['ours_ms_per_turn']:.3f} ms/turn",
-        f"      of which {r['ours_json_encode_ms']:.2f} ms is JSON-encoding P + R for each request "
-        f"(quadratic in turns); with an incremental JSON prefix: {r['ours_incremental_json_ms']:.2f} ms "
-        f"({r['ratio_incremental_json']:.1f}x)",
+        f"      (encoding the whole P + R list for every request instead would add "
+        f"{r['whole_list_json_ms']:.2f} ms: quadratic in turns)",
         f"ratio {r['ratio']:.1f}x total, {r['orchestrator_ratio']:.1f}x orchestrator only, "
         f"{r['wall_ratio']:.1f}x wall (medians of {r['repeats']})",
     ]

@@ -194,6 +194,15 @@ def _list(value: Any, what: str) -> list[Any]:
     return value
 
 
+def generate_body(input_ids_json: str, sampling_params_json: str, rid: str) -> bytes:
+    """The /generate request body, from already-encoded ids and parameters. Only fields the
+    router's typed schema keeps: anything else would be dropped on the way."""
+    return (
+        f'{{"input_ids":{input_ids_json},"sampling_params":{sampling_params_json},'
+        f'"return_logprob":true,"rid":{json.dumps(rid)}}}'
+    ).encode()
+
+
 class SGLangClient:
     """Calls one SGLang worker or the SGLang router.
 
@@ -243,17 +252,13 @@ class SGLangClient:
         """
         url = f"{self.base_url}/generate"
         encoded_ids = input_ids_json if input_ids_json is not None else json.dumps(list(input_ids))
-        encoded_params = json.dumps(sampling_params)
+        encoded_params = json.dumps(sampling_params, separators=(",", ":"))
         http = self._generate_client(rid)
         attempt = 0
         attempt_rid = rid
         while True:
-            # Only fields the router's typed schema keeps: anything else would be dropped on the way.
-            body = (
-                f'{{"input_ids":{encoded_ids},"sampling_params":{encoded_params},'
-                f'"return_logprob":true,"rid":{json.dumps(attempt_rid)}}}'
-            )
-            result = await self._post_generate(http, url, body.encode())
+            body = generate_body(encoded_ids, encoded_params, attempt_rid)
+            result = await self._post_generate(http, url, body)
             if isinstance(result, Generation):
                 return result
             if result.may_be_running:

@@ -16,7 +16,12 @@ from service.envs.host import EnvError, EnvHost
 from service.envs.registry import TAU_BENCH_ENVS, available_envs, tau_bench_installed
 from service.envs.tau import TauBenchEnvironment
 from service.envs.user_sim import AGENT_GREETING, UserSimulatorError
+from service.loop.records import EpisodeSpec, EpisodeStatus
+from service.loop.runner import EpisodeRunner
+from service.loop.toolcalls import get_parser
+from tests.engines import FixedReplies
 from tests.openai_stub import StubServer, closed_port_url, openai_stub
+from tests.tokenizer_helpers import chat_tokenizer
 
 STANDIN_DIR = Path(__file__).parent / "tau_standin"
 TAU_ENVS = {spec.name: spec for spec in TAU_BENCH_ENVS}
@@ -176,6 +181,18 @@ async def test_user_simulator_down_in_env_workers(standin: None) -> None:
         await session.close()
     finally:
         await host.close()
+
+
+async def test_user_simulator_down_fails_the_episode_with_the_reason(standin: None) -> None:
+    """Infrastructure, not the policy's fault: `failed` (not trained on), with the error recorded."""
+    host = EnvHost(workers=1, user_sim=UserSimConfig(base_url=closed_port_url(), model="m"), envs=TAU_ENVS)
+    try:
+        spec = EpisodeSpec("ep", 0, "tau-bench/retail", "test", 0, {"max_new_tokens": 32}, max_turns=3)
+        result = await EpisodeRunner(FixedReplies([]), host, chat_tokenizer(), get_parser("qwen25")).run(spec)
+    finally:
+        await host.close()
+    assert result.status is EpisodeStatus.FAILED
+    assert result.error is not None and "UserSimulatorError" in result.error and "unreachable" in result.error
 
 
 def test_registry_lists_tau_bench_when_importable(standin: None) -> None:

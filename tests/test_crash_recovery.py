@@ -38,29 +38,35 @@ async def test_killed_process_episodes_rerun_once_under_a_new_attempt(
     async with simulated_sglang(latency_seconds=0.3) as (sim, sglang_url):
         async with service_process(tmp_path, database_url, sglang_url, "first", **SERVICE_ENV) as first:
             async with httpx.AsyncClient(base_url=first.url, timeout=10) as http:
+                # A batch that finishes before the kill, then one that the kill interrupts.
+                done = await http.post("/episodes", json=submission("done", 1, SAMPLES))
+                assert done.status_code == 202, done.text
+                await wait_batch_finished(db, "done", MID_BATCH_TIMEOUT_SECONDS)
                 response = await http.post("/episodes", json=submission("crash", TASKS, SAMPLES))
                 assert response.status_code == 202, response.text
-            episode_ids = response.json()["episode_ids"]
+            episode_ids = done.json()["episode_ids"] + response.json()["episode_ids"]
 
             async def mid_batch() -> bool:
-                # Some episodes done, others past their first turn: both kinds are then checked.
                 episodes = await episodes_of(db, "crash")
                 past_first_turn = {r.rid.split(":")[0] for r in sim.requests if not r.rid.endswith(":0")}
-                return any(episode.status in FINISHED for episode in episodes) and any(
+                return any(
                     episode.status == "running" and episode.id in past_first_turn for episode in episodes
                 )
 
             await wait_for(mid_batch, MID_BATCH_TIMEOUT_SECONDS, "episodes to be mid-way")
             first.kill()
             assert await first.wait_exit(10) < 0
-        at_kill = {episode.id: episode for episode in await episodes_of(db, "crash")}
+        at_kill = {
+            episode.id: episode for batch in ("done", "crash") for episode in await episodes_of(db, batch)
+        }
         interrupted = {id_ for id_, episode in at_kill.items() if episode.status == "running"}
         finished_before = {id_ for id_, episode in at_kill.items() if episode.status in FINISHED}
         assert interrupted and finished_before, {id_: episode.status for id_, episode in at_kill.items()}
         assert interrupted | finished_before == set(episode_ids)  # every episode was claimed at once
 
         async with service_process(tmp_path, database_url, sglang_url, "second", **SERVICE_ENV):
-            episodes = await wait_batch_finished(db, "crash", RECOVERY_TIMEOUT_SECONDS)
+            episodes = await wait_batch_finished(db, "done", RECOVERY_TIMEOUT_SECONDS)
+            episodes += await wait_batch_finished(db, "crash", RECOVERY_TIMEOUT_SECONDS)
 
         assert [episode.id for episode in episodes] == episode_ids
         for episode in episodes:

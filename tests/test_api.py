@@ -234,3 +234,19 @@ async def test_context_overflow_truncates_and_engine_refusal_fails(
     await client.post("/episodes", json=submission(batch_id="bad", task_indices=[0], samples_per_task=1))
     failed = (await wait_complete(client, "bad"))["episodes"][0]
     assert failed["status"] == "failed" and "engine refused the request" in failed["error"]
+
+
+async def test_an_engine_outage_requeues_the_episode_for_another_attempt(
+    client: httpx.AsyncClient, sim: tuple[SimWorker, str]
+) -> None:
+    """Retries exhausted (e.g. a restarting engine): the episode runs again, not fails."""
+    sim[0].fail_next(6, status_code=503)  # the client's 1 try + 5 retries of the first turn
+    await client.post("/episodes", json=submission(batch_id="outage", task_indices=[5], samples_per_task=1))
+    summary = (await wait_complete(client, "outage"))["episodes"][0]
+    assert summary["attempt"] == 1 and summary["status"] != "failed", summary
+    episode = (await client.get(f"/episodes/{summary['id']}")).json()
+    calls = sim_calls(sim[0], episode["id"], 1)
+    assert len(calls) == episode["num_turns"]
+    assert_trainer_contract(
+        episode["prompt_ids"], episode["response_ids"], episode["loss_mask"], episode["rollout_logprobs"], calls
+    )

@@ -61,4 +61,10 @@ class EpisodeResult:
     info: dict[str, Any]
     turns: list[TurnRecord] = field(default_factory=list)
     error: str | None = None
-    reset_seconds: float = 0.0
+    # An infrastructure failure (engine unreachable, env worker crashed) that another attempt
+    # may not meet: the worker re-queues the episode while it has attempts left.
+    retryable: bool = False
+
+    @classmethod
+    def failed(cls, error: str) -> EpisodeResult:
+        return cls(EpisodeStatus.FAILED, None, [], [], [], [], [], {}, error=error)

@@ -71,47 +71,46 @@ class EpisodeRunner:
 
     async def _run(self, spec: EpisodeSpec) -> EpisodeResult:
         episode = _Episode(spec)
+        session: EnvSession | None = None
         try:
+            episode.phase = "construction"
             session = await self.envs.open(spec.env, spec.task_split, f"{spec.episode_id}:{spec.attempt}")
-        except EnvWorkerCrashed as error:
-            return episode.end(EpisodeStatus.FAILED, f"env worker crashed: {error}")
-        except EnvError as error:
-            return episode.end(_env_error_status(error), f"env construction failed: {error}")
-        try:
             return await self._play(episode, session)
-        finally:
-            await session.close()
-
-    async def _play(self, episode: _Episode, session: EnvSession) -> EpisodeResult:
-        spec = episode.spec
-        try:
-            started = time.perf_counter()
-            reset = await session.reset(spec.task_index)
-            episode.reset_seconds = time.perf_counter() - started
-            episode.info = dict(reset.info)
-            episode.messages = [
-                {"role": "system", "content": session.system_prompt},
-                {"role": "user", "content": reset.observation},
-            ]
-            episode.trajectory = Trajectory(
-                self.chat.prompt_ids(session.system_prompt, session.tools, reset.observation)
-            )
-            for turn in range(spec.max_turns):
-                status = await self._turn(episode, session, turn)
-                if status is not None:
-                    return episode.end(status)
-            episode.note = f"turn limit {spec.max_turns} reached"
-            return episode.end(EpisodeStatus.TRUNCATED)
         except EngineRequestError as error:
             if CONTEXT_LENGTH_ERROR in str(error).lower():  # the conversation outgrew the model
                 return episode.end(EpisodeStatus.TRUNCATED, f"context length reached: {error}")
             return episode.end(EpisodeStatus.FAILED, f"engine refused the request: {error}")
         except EngineError as error:
-            return episode.end(EpisodeStatus.FAILED, f"engine: {error}")
+            return episode.end(EpisodeStatus.FAILED, f"engine: {error}", retryable=error.retryable)
         except EnvWorkerCrashed as error:
-            return episode.end(EpisodeStatus.FAILED, f"env worker crashed: {error}")
+            return episode.end(EpisodeStatus.FAILED, f"env worker crashed: {error}", retryable=True)
         except EnvError as error:
-            return episode.end(_env_error_status(error), f"env: {error}")
+            infrastructure = error.exc_type.rsplit(".", 1)[-1] in INFRASTRUCTURE_ENV_ERRORS
+            status = EpisodeStatus.FAILED if infrastructure else EpisodeStatus.ABORTED
+            return episode.end(status, f"env {episode.phase} failed: {error}")
+        finally:
+            if session is not None:
+                await session.close()
+
+    async def _play(self, episode: _Episode, session: EnvSession) -> EpisodeResult:
+        spec = episode.spec
+        episode.phase = "reset"
+        reset = await session.reset(spec.task_index)
+        episode.info = dict(reset.info)
+        episode.messages = [
+            {"role": "system", "content": session.system_prompt},
+            {"role": "user", "content": reset.observation},
+        ]
+        episode.trajectory = Trajectory(
+            self.chat.prompt_ids(session.system_prompt, session.tools, reset.observation)
+        )
+        episode.phase = "step"
+        for turn in range(spec.max_turns):
+            status = await self._turn(episode, session, turn)
+            if status is not None:
+                return episode.end(status)
+        episode.note = f"turn limit {spec.max_turns} reached"
+        return episode.end(EpisodeStatus.TRUNCATED)
 
     async def _turn(self, episode: _Episode, session: EnvSession, turn: int) -> EpisodeStatus | None:
         """Plays one turn; returns the episode's final status if the turn ended it."""
@@ -185,18 +184,23 @@ class _Episode:
         self.messages: list[dict[str, Any]] = []
         self.info: dict[str, Any] = {}
         self.turns: list[TurnRecord] = []
-        self.reward: float | None = None
-        self.reset_seconds = 0.0
+        self.reward: float | None = None  # the environment's latest, once it gave one
+        self.phase = "construction"  # of the environment: construction, reset, step
         self.note: str | None = None  # why a non-completed episode ended
 
-    def end(self, status: EpisodeStatus, error: str | None = None) -> EpisodeResult:
+    def end(
+        self, status: EpisodeStatus, error: str | None = None, *, retryable: bool = False
+    ) -> EpisodeResult:
         message = error if error is not None else self.note
         if status is EpisodeStatus.FAILED:
             logger.warning("episode %s failed: %s", self.spec.episode_id, message)
+        reward = self.reward
+        if reward is None and status in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED):
+            reward = 0.0  # a played episode that earned nothing; aborted and failed ones have no reward
         trajectory = self.trajectory
         return EpisodeResult(
             status=status,
-            reward=self.reward if self.reward is not None else 0.0,
+            reward=reward,
             prompt_ids=trajectory.prompt_ids,
             response_ids=trajectory.response_ids,
             loss_mask=trajectory.loss_mask,
@@ -205,10 +209,5 @@ class _Episode:
             info=self.info,
             turns=self.turns,
             error=message,
-            reset_seconds=self.reset_seconds,
+            retryable=retryable,
         )
-
-
-def _env_error_status(error: EnvError) -> EpisodeStatus:
-    infrastructure = error.exc_type.rsplit(".", 1)[-1] in INFRASTRUCTURE_ENV_ERRORS
-    return EpisodeStatus.FAILED if infrastructure else EpisodeStatus.ABORTED

@@ -12,24 +12,29 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.config import Settings
-from service.loop.records import EpisodeResult, EpisodeStatus
+from service.loop.records import EpisodeResult
 from service.loop.runner import EpisodeRunner
 from service.storage import queue
 from service.storage.queue import ClaimedEpisode, EpisodeOutcome
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CLAIM_BATCH = 256  # episodes claimed in one transaction, at most
-STORE_ATTEMPTS = 5  # tries to write a result before leaving the episode to its lease's expiry
+STORE_ATTEMPTS = 5  # tries to write a result before releasing the episode to run again
 STORE_BACKOFF_SECONDS = 0.2  # first delay between those tries; doubles
+WRITES_DRAIN_SECONDS = 15.0  # on shutdown, how long result writes already under way may take
+# What a busy or briefly unreachable database raises; anything else is a bug and is not swallowed.
+DATABASE_ERRORS = (DBAPIError, SQLAlchemyTimeoutError, OSError)
 FinishedHook = Callable[[ClaimedEpisode, EpisodeResult], None]
 
 
@@ -37,6 +42,7 @@ FinishedHook = Callable[[ClaimedEpisode, EpisodeResult], None]
 class _Running:
     claim: ClaimedEpisode
     task: asyncio.Task[None]
+    writing: bool = False  # its result write has started: a late lease renewal must not cancel it
 
 
 def new_worker_id() -> str:
@@ -59,6 +65,8 @@ class EpisodeWorker:
         self.on_finished = on_finished
         self.worker_id = worker_id or new_worker_id()
         self.running: dict[str, _Running] = {}
+        self._writes: set[asyncio.Future[bool]] = set()  # result writes under way (shielded)
+        self._unstored: set[str] = set()  # results that could not be written: to release
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
@@ -91,6 +99,8 @@ class EpisodeWorker:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        if self._writes:  # shielded from the cancellation above: let them land before releasing
+            await asyncio.wait(self._writes, timeout=WRITES_DRAIN_SECONDS)
         for loop in self._loops[1:]:
             loop.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
@@ -107,7 +117,7 @@ class EpisodeWorker:
                     claimed = await queue.claim_episodes(
                         self.sessionmaker, self.worker_id, limit, self.settings.lease_seconds
                     )
-                except Exception:  # the database may be briefly unreachable; keep the worker alive
+                except DATABASE_ERRORS:
                     logger.exception("claiming episodes failed; retrying")
             for claim in claimed:
                 task = asyncio.create_task(self._run(claim), name=f"episode {claim.id}")
@@ -122,21 +132,32 @@ class EpisodeWorker:
 
     async def _run(self, claim: ClaimedEpisode) -> None:
         try:
-            result = await self.runner.run(claim.spec())
-            # The result write must not be cut in half by a cancellation (shutdown, lost lease).
-            stored = await asyncio.shield(self._store(claim, result))
-            if stored and self.on_finished is not None:
-                self.on_finished(claim, result)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # a bug in the loop must end this episode, not the worker
-            logger.exception("episode %s crashed", claim.id)
-            failed = EpisodeResult(EpisodeStatus.FAILED, None, [], [], [], [], [], {}, error=repr(error))
-            await asyncio.shield(self._store(claim, failed))
+            try:
+                result = await self.runner.run(claim.spec())
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # a bug in the loop must end this episode, not the worker
+                logger.exception("episode %s crashed", claim.id)
+                result = EpisodeResult.failed(f"internal error: {error!r}")
+            self.running[claim.id].writing = True
+            write = asyncio.ensure_future(self._write(claim, result))
+            self._writes.add(write)
+            write.add_done_callback(self._writes.discard)
+            # A cancellation (shutdown, lost lease) must not cut the write in half; stop() awaits it.
+            await asyncio.shield(write)
         finally:
             self.running.pop(claim.id, None)
 
-    async def _store(self, claim: ClaimedEpisode, result: EpisodeResult) -> bool:
+    async def _write(self, claim: ClaimedEpisode, result: EpisodeResult) -> bool:
+        """Stores the result, or re-queues a retryable failure that has attempts left."""
+        if result.retryable and claim.attempt + 1 < self.settings.max_attempts:
+            logger.warning(
+                "episode %s attempt %d: %s; queued to run again", claim.id, claim.attempt, result.error
+            )
+            released = await self._with_retries(
+                claim, lambda: queue.release_episodes(self.sessionmaker, self.worker_id, [claim.id])
+            )
+            return bool(released)
         outcome = EpisodeOutcome(
             status=result.status.value,
             reward=result.reward,
@@ -150,23 +171,29 @@ class EpisodeWorker:
             error=result.error,
             num_turns=len(result.turns),
         )
+        stored = await self._with_retries(
+            claim,
+            lambda: queue.finish_episode(self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome),
+        )
+        if stored is False:
+            logger.warning("episode %s attempt %d lost its lease; result discarded", claim.id, claim.attempt)
+        elif stored and self.on_finished is not None:
+            self.on_finished(claim, result)
+        return bool(stored)
+
+    async def _with_retries(self, claim: ClaimedEpisode, write: Callable[[], Awaitable[T]]) -> T | None:
+        """Runs a database write, retried with backoff; None if it never went through, in which case
+        the episode is released by the sweep loop as soon as the database takes writes again."""
         for attempt in range(STORE_ATTEMPTS):
             try:
-                stored = await queue.finish_episode(
-                    self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome
-                )
-                break
-            except (DBAPIError, SQLAlchemyTimeoutError) as error:  # a busy or briefly unreachable DB
+                return await write()
+            except DATABASE_ERRORS as error:
                 delay = STORE_BACKOFF_SECONDS * 2**attempt
-                logger.warning("storing episode %s failed (%s); retry in %.1f s", claim.id, error, delay)
+                logger.warning("writing episode %s failed (%s); retry in %.1f s", claim.id, error, delay)
                 await asyncio.sleep(delay)
-        else:
-            # Not lost: its lease expires and the episode runs again.
-            logger.error("episode %s not stored after %d tries; it will run again", claim.id, STORE_ATTEMPTS)
-            return False
-        if not stored:
-            logger.warning("episode %s attempt %d lost its lease; result discarded", claim.id, claim.attempt)
-        return stored
+        logger.error("episode %s not written after %d tries; it will run again", claim.id, STORE_ATTEMPTS)
+        self._unstored.add(claim.id)
+        return None
 
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.lease_seconds / 3
@@ -179,24 +206,28 @@ class EpisodeWorker:
                 renewed = await queue.renew_leases(
                     self.sessionmaker, self.worker_id, ids, self.settings.lease_seconds
                 )
-            except Exception:
+            except DATABASE_ERRORS:
                 logger.exception("renewing leases failed; retrying")
                 continue
             for episode_id in set(ids) - renewed:
                 running = self.running.get(episode_id)
-                if running is not None and not running.task.done():
+                if running is not None and not running.writing and not running.task.done():
                     logger.warning("lost the lease of episode %s; another worker re-runs it", episode_id)
                     running.task.cancel()
 
     async def _sweep_loop(self) -> None:
         while True:
             try:
+                if self._unstored:
+                    unstored = list(self._unstored)
+                    await queue.release_episodes(self.sessionmaker, self.worker_id, unstored)
+                    self._unstored.difference_update(unstored)
                 count = await queue.requeue_expired(
                     self.sessionmaker, self.settings.max_attempts, spare_owner=self.worker_id
                 )
                 if count:
                     logger.info("re-queued %d episodes whose lease expired", count)
                     self.wake()
-            except Exception:
+            except DATABASE_ERRORS:
                 logger.exception("sweeping expired leases failed; retrying")
             await asyncio.sleep(self.settings.sweep_interval_seconds)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import cast
 
 import httpx
@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from service.api import batches, engine, envs, episodes, health
 from service.api.errors import install_error_handlers
 from service.api.middleware import install_middleware
-from service.app_state import Services
+from service.app_state import ResultsSignal, Services
 from service.config import Settings
 from service.engine.client import SGLangClient, make_generate_pools
 from service.envs.base import UserSimConfig
@@ -60,62 +60,56 @@ async def lifespan(
 ) -> AsyncIterator[dict[str, Services]]:
     if not settings.api_key_list:
         logger.warning("API_KEYS is not set: the API accepts requests from anyone who can reach it")
-    database = Database.open(settings.database_url)
-    http = httpx.AsyncClient(timeout=httpx.Timeout(settings.engine_timeout_seconds, connect=10.0))
-    generate_pools = make_generate_pools(settings.max_inflight_generates, settings.engine_timeout_seconds)
-    engine = SGLangClient(
-        http,
-        settings.sglang_url,
-        max_inflight=settings.max_inflight_generates,
-        retries=settings.engine_retries,
-        backoff_seconds=settings.engine_backoff_seconds,
-        timeout_seconds=settings.engine_timeout_seconds,
-        worker_urls=settings.worker_url_list,
-        generate_pools=generate_pools,
-    )
-    services = Services(
-        settings=settings,
-        database=database,
-        http=http,
-        engine=engine,
-        envs=available_envs(),
-        metrics=metrics,
-        batch_finished=asyncio.Condition(),
-        shutting_down=shutting_down,
-    )
-    try:
+    async with AsyncExitStack() as resources:  # each is released even if an earlier release fails
+        database = Database.open(settings.database_url)
+        resources.push_async_callback(database.dispose)
+        http = httpx.AsyncClient(timeout=httpx.Timeout(settings.engine_timeout_seconds, connect=10.0))
+        resources.push_async_callback(http.aclose)
+        generate_pools = make_generate_pools(settings.max_inflight_generates, settings.engine_timeout_seconds)
+        for pool in generate_pools:
+            resources.push_async_callback(pool.aclose)
+        engine = SGLangClient(
+            http,
+            settings.sglang_url,
+            max_inflight=settings.max_inflight_generates,
+            retries=settings.engine_retries,
+            backoff_seconds=settings.engine_backoff_seconds,
+            timeout_seconds=settings.engine_timeout_seconds,
+            worker_urls=settings.worker_url_list,
+            generate_pools=generate_pools,
+        )
+        services = Services(
+            settings=settings,
+            database=database,
+            http=http,
+            engine=engine,
+            envs=available_envs(),
+            metrics=metrics,
+            results=ResultsSignal(),
+            shutting_down=shutting_down,
+        )
         if settings.run_worker:
             chat = await asyncio.to_thread(load_chat_tokenizer, settings)
             services.env_host = EnvHost(
-                settings.env_workers, settings.env_executor, user_sim_config(settings)
+                settings.env_workers,
+                settings.env_executor,
+                user_sim_config(settings),
+                threads_per_worker=settings.env_threads_per_worker,
+                call_timeout_seconds=settings.env_call_timeout_seconds,
             )
+            resources.push_async_callback(services.env_host.close)
             runner = EpisodeRunner(engine, services.env_host, chat, get_parser(settings.tool_call_format))
 
             def episode_stored(claim: ClaimedEpisode, result: EpisodeResult) -> None:
                 services.metrics.episode_finished(result)
-                _notify(services.batch_finished)
+                services.results.notify()
 
             services.worker = EpisodeWorker(
                 settings, database.sessionmaker, runner, on_finished=episode_stored
             )
             services.worker.start()
+            resources.push_async_callback(services.worker.stop)  # first out: drains before the rest closes
         yield {"services": services}
-    finally:
-        if services.worker is not None:
-            await services.worker.stop()
-        if services.env_host is not None:
-            await services.env_host.close()
-        for client in (http, *generate_pools):
-            await client.aclose()
-        await database.dispose()
-
-
-def _notify(condition: asyncio.Condition) -> None:
-    async def notify() -> None:
-        async with condition:
-            condition.notify_all()
-
-    asyncio.get_running_loop().create_task(notify())
 
 
 def create_app(settings: Settings | None = None, shutting_down: asyncio.Event | None = None) -> FastAPI:

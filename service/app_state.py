@@ -16,6 +16,24 @@ from service.storage.db import Database
 from service.worker.worker import EpisodeWorker
 
 
+class ResultsSignal:
+    """Wakes long-polls when this process stores a result (other processes' results are polled)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        """Returns when the next result is stored or after `timeout` seconds, whichever is first."""
+        try:
+            await asyncio.wait_for(self._event.wait(), timeout)
+        except TimeoutError:
+            pass
+
+
 @dataclass
 class Services:
     """What the lifespan builds and the routes use; one per app."""
@@ -26,7 +44,7 @@ class Services:
     engine: SGLangClient
     envs: dict[str, EnvSpec]
     metrics: Metrics
-    batch_finished: asyncio.Condition  # notified whenever this process stores a result
+    results: ResultsSignal  # fires whenever this process stores a result
     shutting_down: asyncio.Event  # set when the server was told to stop: long-polls return at once
     worker: EpisodeWorker | None = None
     env_host: EnvHost | None = None

@@ -76,7 +76,7 @@ class Metrics:
                 self.env_seconds.observe(turn.env_seconds)
 
     async def render(self, services: Services) -> bytes:
-        async with services.database.sessionmaker() as session:
+        async with services.database.reader() as session:
             counts = await status_counts(session)
         for status, count in counts.items():
             self.episodes.labels(status).set(count)

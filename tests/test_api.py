@@ -130,6 +130,9 @@ async def test_concurrent_resubmissions_create_one_batch(client: httpx.AsyncClie
         (submission(sampling_params={"temprature": 1.0}), 422, ["sampling_params.temprature"]),
         (submission(max_turns=0), 422, ["max_turns"]),
         (submission(batch_id="has space"), 422, ["batch_id"]),
+        (submission(max_response_tokens=2**63), 422, ["max_response_tokens"]),
+        (submission(sampling_params={"presence_penalty": "NaN"}), 422, ["sampling_params.presence_penalty"]),
+        (submission(sampling_params={"stop_token_ids": [-1]}), 422, ["sampling_params.stop_token_ids.0"]),
         (submission(task_indices=list(range(50)), samples_per_task=1000), 413, ["50000 episodes"]),
     ],
 )

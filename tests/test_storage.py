@@ -310,3 +310,15 @@ async def test_concurrent_claimers_never_share_an_episode(db: Database) -> None:
     assert len(claimed) == total
     assert len(set(claimed)) == total
     assert sum(1 for ids in results if ids) >= 2
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+async def test_sqlite_reads_do_not_hold_the_write_lock(db: Database) -> None:
+    """A trainer's long read (a big batch pull) must not block heartbeats and result writes."""
+    await enqueue(db)
+    async with db.reader() as reading:
+        assert len((await reading.scalars(select(Episode))).all()) == 4  # its transaction is open
+        async with asyncio.timeout(5):  # the write lock would otherwise wait for busy_timeout (30 s)
+            await enqueue(db)
+        claimed = await claim_episodes(db.sessionmaker, "w", 10, 30)
+        assert len(claimed) == 8

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import defaultdict
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Response
+from fastapi import APIRouter, Depends, Header, Path, Query, Response
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer
@@ -31,19 +30,14 @@ BYTES_PER_ID = 4  # int32 blobs
 async def _wait_until_complete(services: Services, batch_id: str, wait: float) -> None:
     deadline = time.monotonic() + min(wait, services.settings.max_long_poll_seconds)
     while True:
-        async with services.database.sessionmaker() as session:
+        async with services.database.reader() as session:
             counts = await batch_status_counts(session, batch_id)
         if counts["queued"] + counts["running"] == 0:
             return
         remaining = deadline - time.monotonic()
         if remaining <= 0 or services.shutting_down.is_set():
             return
-        condition = services.batch_finished
-        async with condition:
-            try:
-                await asyncio.wait_for(condition.wait(), min(remaining, WAIT_POLL_SECONDS))
-            except TimeoutError:
-                pass
+        await services.results.wait(min(remaining, WAIT_POLL_SECONDS))
 
 
 def complete_groups(statuses: list[tuple[int, str]]) -> set[int]:
@@ -115,6 +109,14 @@ def _batch_out(
     )
 
 
+async def valid_batch(services: ServicesDep, batch_id: Annotated[str, Path(max_length=128)]) -> Batch:
+    async with services.database.reader() as session:
+        batch = await get_batch(session, batch_id)
+    if batch is None:
+        raise NotFound(f"no batch {batch_id!r}")
+    return batch
+
+
 @router.get(
     "/batches/{batch_id}",
     operation_id="get_batch",
@@ -130,7 +132,7 @@ def _batch_out(
 )
 async def get_batch_results(
     services: ServicesDep,
-    batch_id: Annotated[str, Path(max_length=128)],
+    batch: Annotated[Batch, Depends(valid_batch)],
     wait: Annotated[
         float, Query(ge=0, description="Long-poll: seconds to wait for the batch to complete.")
     ] = 0,
@@ -138,19 +140,16 @@ async def get_batch_results(
     accept: Annotated[str, Header()] = "application/json",
 ) -> Any:
     """Counts by status and the episodes of complete groups (a GRPO group arrives whole)."""
-    async with services.database.sessionmaker() as session:
-        if await get_batch(session, batch_id) is None:
-            raise NotFound(f"no batch {batch_id!r}")
     if wait > 0:
-        await _wait_until_complete(services, batch_id, wait)
-    async with services.database.sessionmaker() as session:
-        batch = await get_batch(session, batch_id)
-        assert batch is not None
-        counts = await batch_status_counts(session, batch_id)
+        await _wait_until_complete(services, batch.id, wait)
+    async with services.database.reader() as session:
+        counts = await batch_status_counts(session, batch.id)
         if ARROW_STREAM_MEDIA_TYPE in accept:
-            episodes = await load_batch_episodes(session, batch_id, with_tokens=True)
-            groups = complete_groups([(episode.group_index, episode.status) for episode in episodes])
-            body = episodes_to_arrow([episode for episode in episodes if episode.group_index in groups])
-            return Response(content=body, media_type=ARROW_STREAM_MEDIA_TYPE)
-        summaries, groups_complete, groups_total = await _summaries(session, batch_id, include_tokens)
+            episodes = await load_batch_episodes(session, batch.id, with_tokens=True)
+        else:
+            summaries, groups_complete, groups_total = await _summaries(session, batch.id, include_tokens)
+    if ARROW_STREAM_MEDIA_TYPE in accept:  # built after the session closed: it may take a while
+        groups = complete_groups([(episode.group_index, episode.status) for episode in episodes])
+        body = episodes_to_arrow([episode for episode in episodes if episode.group_index in groups])
+        return Response(content=body, media_type=ARROW_STREAM_MEDIA_TYPE)
     return _batch_out(batch, counts, summaries, (groups_complete, groups_total))

@@ -19,10 +19,10 @@ def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-async def get_session(services: ServicesDep) -> AsyncIterator[AsyncSession]:
-    """One transaction per request: committed if the route returns, rolled back if it raises."""
-    async with services.database.sessionmaker.begin() as session:
+async def get_read_session(services: ServicesDep) -> AsyncIterator[AsyncSession]:
+    """A read-only session for the request (GET never changes state)."""
+    async with services.database.reader() as session:
         yield session
 
 
-SessionDep = Annotated[AsyncSession, Depends(get_session)]
+ReadSessionDep = Annotated[AsyncSession, Depends(get_read_session)]

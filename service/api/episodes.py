@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Path, status
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from service.api.deps import ServicesDep, SessionDep
+from service.api.deps import ReadSessionDep, ServicesDep
 from service.api.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge, responses
 from service.api.schemas import EpisodeDetail, EpisodeSummary, SubmitAccepted, SubmitEpisodes, TurnOut
 from service.app_state import Services
@@ -50,7 +50,7 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> None:
         )
 
 
-async def _episode_ids(session: SessionDep, batch_id: str) -> list[str]:
+async def _episode_ids(session: ReadSessionDep, batch_id: str) -> list[str]:
     rows = await session.scalars(
         select(Episode.id)
         .where(Episode.batch_id == batch_id)
@@ -86,9 +86,9 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep) -> Submit
         for group, task_index in enumerate(body.task_indices)
         for sample in range(body.samples_per_task)
     ]
-    sessionmaker = services.database.sessionmaker
+    insert_error: IntegrityError | None = None
     try:
-        async with sessionmaker.begin() as session:
+        async with services.database.sessionmaker.begin() as session:
             existing = await get_batch(session, batch_id)
             if existing is None:
                 await enqueue_batch(
@@ -101,12 +101,15 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep) -> Submit
                     episodes=new,
                 )
             created = existing is None
-    except IntegrityError:  # a concurrent submission of the same batch id won the insert
-        created = False
-    async with sessionmaker() as session:
+    except IntegrityError as error:  # a concurrent submission of the same batch id may have won
+        insert_error, created = error, False
+    async with services.database.reader() as session:
         if not created:
             stored = await get_batch(session, batch_id)
-            if stored is None or stored.request_hash != digest:
+            if stored is None and insert_error is not None:
+                raise insert_error  # not a duplicate batch id: a real integrity failure
+            assert stored is not None
+            if stored.request_hash != digest:
                 raise Conflict(f"batch {batch_id!r} exists with a different request; use another batch_id")
         episode_ids = await _episode_ids(session, batch_id)
     if created and services.worker is not None:
@@ -116,7 +119,7 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep) -> Submit
     return SubmitAccepted(batch_id=batch_id, episode_ids=episode_ids, created=created)
 
 
-async def valid_episode(episode_id: Annotated[str, Path(max_length=128)], session: SessionDep) -> Episode:
+async def valid_episode(episode_id: Annotated[str, Path(max_length=128)], session: ReadSessionDep) -> Episode:
     episode = await session.get(Episode, episode_id)
     if episode is None:
         raise NotFound(f"no episode {episode_id!r}")

@@ -16,7 +16,7 @@ router = APIRouter(tags=["operations"])
 
 async def database_state(services: Services) -> str:
     try:
-        async with services.database.sessionmaker() as session:
+        async with services.database.reader() as session:
             await session.execute(text("SELECT 1"))
     except Exception as error:  # any failure to reach the database is the answer, not a crash
         return f"error: {type(error).__name__}: {error}"[:300]

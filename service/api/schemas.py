@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -11,12 +11,13 @@ from service.loop.records import EpisodeStatus
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MAX_TURNS_LIMIT = 1000
+INT32_MAX = 2**31 - 1  # integers are stored as 32-bit columns
 
 
 class SamplingParams(BaseModel):
     """SGLang sampling parameters of every turn; unknown names are refused, not silently dropped."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_new_tokens: int = Field(default=1024, ge=1, le=1_000_000, description="Per turn.")
     temperature: float = Field(default=1.0, ge=0)
@@ -27,7 +28,7 @@ class SamplingParams(BaseModel):
     presence_penalty: float = 0.0
     repetition_penalty: float = Field(default=1.0, gt=0)
     stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_new_tokens: int = Field(default=0, ge=0)
@@ -52,7 +53,10 @@ class SubmitEpisodes(BaseModel):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     max_turns: int = Field(default=30, ge=1, le=MAX_TURNS_LIMIT, description="Generate calls per episode.")
     max_response_tokens: int | None = Field(
-        default=None, ge=1, description="Budget of response tokens (sampled and context) per episode."
+        default=None,
+        ge=1,
+        le=INT32_MAX,
+        description="Budget of response tokens (sampled and context) per episode.",
     )
     metadata: dict[str, Any] = Field(default_factory=dict, description="Echoed back with the batch.")
 

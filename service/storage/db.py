@@ -24,6 +24,7 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 POSTGRES_POOL_SIZE = 10
 POSTGRES_MAX_OVERFLOW = 20
 POSTGRES_POOL_RECYCLE_SECONDS = 1800
+READ_ONLY_OPTION = "rollout_read_only"
 
 
 def utcnow() -> datetime:
@@ -90,7 +91,11 @@ def _make_sqlite_transactional(engine: AsyncEngine, *, foreign_keys: bool) -> No
             cursor.close()
 
     def begin_immediate(connection: Connection) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # Read-only sessions (Database.reader) begin deferred: they read a WAL snapshot without
+        # taking the single write lock, so a trainer pulling a large batch never holds up the
+        # heartbeats and result writes.
+        read_only = connection.get_execution_options().get(READ_ONLY_OPTION, False)
+        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
     event.listen(engine.sync_engine, "connect", on_connect)
     event.listen(engine.sync_engine, "begin", begin_immediate)
@@ -103,17 +108,25 @@ def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
 
 @dataclass(frozen=True)
 class Database:
-    """An engine and its session maker, e.g. for the app's lifespan: `Database.open(url)`, then
-    `await database.dispose()`."""
+    """An engine and its session makers, e.g. for the app's lifespan: `Database.open(url)`, then
+    `await database.dispose()`. `reader` is for sessions that only read (on SQLite they do not
+    take the write lock); everything that writes uses `sessionmaker`."""
 
     url: str
     engine: AsyncEngine
     sessionmaker: async_sessionmaker[AsyncSession]
+    reader: async_sessionmaker[AsyncSession]
 
     @classmethod
     def open(cls, url: str) -> Database:
         engine = make_engine(url)
-        return cls(url=url, engine=engine, sessionmaker=make_sessionmaker(engine))
+        read_only = engine.execution_options(**{READ_ONLY_OPTION: True})
+        return cls(
+            url=url,
+            engine=engine,
+            sessionmaker=make_sessionmaker(engine),
+            reader=make_sessionmaker(read_only),
+        )
 
     async def dispose(self) -> None:
         await self.engine.dispose()

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from service.config import TEST_TOKENIZER_DIR
 from service.loop.tokens import ChatTemplateError, ChatTokenizer, Trajectory
-from tests.tokenizer_helpers import chat_tokenizer, chat_variant
+from tests.tokenizer_helpers import TEMPLATES_DIR, chat_tokenizer, chat_variant, load_test_tokenizer
 
 
 def test_closing_ids_skip_what_the_model_sampled() -> None:
@@ -56,3 +56,15 @@ def test_trajectory_keeps_lengths_aligned() -> None:
     assert trajectory.loss_mask == [1, 1, 0] and trajectory.logprobs == [-0.5, -0.25, 0.0]
     with pytest.raises(ValueError, match="2 sampled ids but 1 logprobs"):
         trajectory.add_sampled([1, 2], [-1.0])
+
+
+def test_a_template_without_the_tool_instruction_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+    tokenizer.chat_template = (TEMPLATES_DIR / "llama3_headers.jinja").read_text()
+    ChatTokenizer(tokenizer, tool_instruction="One call a turn.", template_tool_instruction="You may call")
+    assert "tool instruction is not applied" in caplog.text
+    caplog.clear()
+    ChatTokenizer(
+        load_test_tokenizer(), tool_instruction="One call a turn.", template_tool_instruction="You may call"
+    )
+    assert "not applied" not in caplog.text

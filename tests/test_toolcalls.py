@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.envs.base import RESPOND_ACTION_NAME, Action
-from service.loop.toolcalls import ToolCallParseError, get_parser, parse_qwen25
+from service.loop.toolcalls import ToolCallParseError, get_parser, parse_qwen25, strip_reasoning
 
 
 def call(name: str, arguments: object, key: str = "arguments") -> str:
@@ -67,3 +67,11 @@ def test_any_arguments_round_trip(prefix: str, arguments: dict[str, object]) -> 
     prefix = prefix.replace("<tool_call>", "")
     turn = parse_qwen25(prefix + call("tool", arguments))
     assert turn.action == Action("tool", arguments)
+
+
+def test_reasoning_is_not_part_of_the_action() -> None:
+    text = "<think>\nThe user wants order #W1.\n</think>\n\n" + call("get_order", {"id": "#W1"})
+    assert parse_qwen25(strip_reasoning(text)).action == Action("get_order", {"id": "#W1"})
+    # The header opened the thinking block; the sample starts inside it.
+    assert strip_reasoning("checking...</think>\n\nYour order shipped.") == "Your order shipped."
+    assert strip_reasoning("No reasoning here.") == "No reasoning here."

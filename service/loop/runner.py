@@ -13,7 +13,7 @@ from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
 from service.envs.host import EnvError, EnvWorkerCrashed
 from service.loop.records import EpisodeResult, EpisodeSpec, EpisodeStatus, TurnRecord
 from service.loop.tokens import ChatTokenizer, Trajectory
-from service.loop.toolcalls import ToolCallParseError, ToolCallParser
+from service.loop.toolcalls import ToolCallParseError, ToolCallParser, strip_reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class EpisodeRunner:
             episode.note = f"turn {turn} hit max_new_tokens={max_new_tokens}"
             return EpisodeStatus.TRUNCATED
         try:
-            action = self.parser(content).action
+            action = self.parser(strip_reasoning(content)).action
         except ToolCallParseError as error:
             episode.note = f"unparseable tool call: {error}"
             return EpisodeStatus.ABORTED

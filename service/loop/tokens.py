@@ -10,8 +10,11 @@ costs what its new message costs, not what the conversation costs.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
 
 # Probe conversation for the template pieces. Contents are arbitrary but must not be empty
 # (some templates skip empty contents) and must not look like template syntax.
@@ -93,6 +96,18 @@ class ChatTokenizer:
             self.render([*PROBE_PREFIX, PROBE_ASSISTANT], add_generation_prompt=False)
         )
         self.close_ids = self.encode(self.close_text)
+        if tool_instruction and template_tool_instruction:
+            probe_tools = [
+                {"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}
+            ]
+            raw = tokenizer.apply_chat_template(
+                PROBE_PREFIX, tools=probe_tools, tokenize=False, add_generation_prompt=True
+            )
+            if template_tool_instruction not in raw:
+                logger.warning(
+                    "the chat template has no %r: the one-call-per-turn tool instruction is not applied",
+                    template_tool_instruction,
+                )
         for role in ("user", "tool"):
             self.message_ids({"role": role, "content": "PROBE_MESSAGE"})  # fails early, not mid-episode
 

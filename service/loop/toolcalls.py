@@ -45,6 +45,16 @@ def get_parser(name: str) -> ToolCallParser:
         raise ValueError(f"unknown tool-call format {name!r}; known: {sorted(PARSERS)}") from None
 
 
+# Reasoning of thinking models (Qwen3, DeepSeek-R1): everything up to the first </think>. The
+# opening tag may be in the generation header rather than in the sampled text.
+REASONING = re.compile(r"^.*?</think>\s*", re.DOTALL)
+
+
+def strip_reasoning(text: str) -> str:
+    """The part of a turn meant for the user or the tools: the text after the reasoning, if any."""
+    return REASONING.sub("", text, count=1)
+
+
 QWEN25_OPEN = "<tool_call>"
 QWEN25_BLOCK = re.compile(r"<tool_call>\n(.*?)\n?</tool_call>|<tool_call>\n(.*)$", re.DOTALL)
 

@@ -48,7 +48,7 @@ def user_sim_config(settings: Settings) -> UserSimConfig:
     return UserSimConfig(
         base_url=settings.user_sim_base_url,
         model=settings.user_sim_model,
-        api_key=settings.user_sim_api_key,
+        api_key=settings.user_sim_api_key.get_secret_value(),
         temperature=settings.user_sim_temperature,
         seed=settings.user_sim_seed,
     )

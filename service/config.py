@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -54,8 +55,8 @@ class Settings(BaseSettings):
         default=TEMPLATE_TOOL_INSTRUCTION,
         description="The chat template's own tool instruction sentence, the one replaced.",
     )
-    api_keys: str = Field(
-        default="",
+    api_keys: SecretStr = Field(
+        default=SecretStr(""),
         description="Comma-separated API keys; when set, every endpoint but /health needs "
         "'Authorization: Bearer <key>'. Unset: no authentication (a warning is logged at start).",
     )
@@ -77,7 +78,21 @@ class Settings(BaseSettings):
     max_running_episodes: int = Field(default=2048, ge=1, description="Episodes in flight in this process.")
     max_inflight_generates: int = Field(default=512, ge=1, description="Concurrent /generate calls.")
     env_workers: int = Field(default=2, ge=1, description="Environment worker processes (or threads).")
-    env_executor: str = Field(default="process", description="'process' or 'thread' for env work.")
+    env_executor: Literal["process", "thread"] = Field(
+        default="process", description="Env work in worker processes (tau-bench: CPU-heavy) or threads."
+    )
+    env_threads_per_worker: int = Field(
+        default=32,
+        ge=1,
+        description="Env calls one env worker runs at once (each episode's calls stay one at a time): "
+        "user-simulator turns wait on HTTP inside env.step, so they overlap on threads.",
+    )
+    env_call_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="Timeout of one env open/reset/step; past it the episode fails with an env "
+        "TimeoutError and its environment is abandoned (a stuck thread cannot be stopped).",
+    )
     shutdown_timeout_seconds: float = Field(
         default=30.0, ge=0, description="On SIGTERM, how long in-flight episodes may run before release."
     )
@@ -97,15 +112,19 @@ class Settings(BaseSettings):
         default="", description="OpenAI-compatible base URL, e.g. http://h:30000/v1."
     )
     user_sim_model: str = Field(default="", description="Model name sent to the user simulator.")
-    user_sim_api_key: str = Field(default="", description="Bearer key of the user simulator endpoint.")
+    user_sim_api_key: SecretStr = Field(
+        default=SecretStr(""), description="Bearer key of the user simulator endpoint."
+    )
     user_sim_temperature: float = Field(default=0.0, ge=0, description="Temperature of every user turn.")
     user_sim_seed: int | None = Field(default=None, description="Seed sent with every user-simulator call.")
 
-    log_level: str = Field(default="INFO", description="Python logging level.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="Logging level."
+    )
 
     @cached_property
     def api_key_list(self) -> list[str]:
-        return [key.strip() for key in self.api_keys.split(",") if key.strip()]
+        return [key.strip() for key in self.api_keys.get_secret_value().split(",") if key.strip()]
 
     @cached_property
     def worker_url_list(self) -> list[str]:

@@ -14,6 +14,7 @@ from statistics import mean
 
 import httpx
 import pyarrow as pa
+from pydantic import SecretStr
 
 from service.app import create_app
 from service.config import Settings
@@ -89,6 +90,6 @@ async def _run(settings: Settings, tasks: int, samples: int) -> int:
 def run_demo(*, database_url: str, tasks: int, samples: int) -> int:
     run_migrations(database_url)
     with serve_in_thread(create_sim_app(SimConfig(latency_seconds=0.05))) as sim_url:
-        settings = Settings(database_url=database_url, sglang_url=sim_url, api_keys="")
+        settings = Settings(database_url=database_url, sglang_url=sim_url, api_keys=SecretStr(""))
         print(f"database {database_url}; simulated SGLang worker at {sim_url}")
         return asyncio.run(_run(settings, tasks, samples))

@@ -251,5 +251,9 @@ async def test_an_engine_outage_requeues_the_episode_for_another_attempt(
     calls = sim_calls(sim[0], episode["id"], 1)
     assert len(calls) == episode["num_turns"]
     assert_trainer_contract(
-        episode["prompt_ids"], episode["response_ids"], episode["loss_mask"], episode["rollout_logprobs"], calls
+        episode["prompt_ids"],
+        episode["response_ids"],
+        episode["loss_mask"],
+        episode["rollout_logprobs"],
+        calls,
     )

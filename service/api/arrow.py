@@ -12,6 +12,7 @@ from itertools import accumulate
 
 import pyarrow as pa
 
+from service.storage import blobs
 from service.storage.models import Episode
 
 ARROW_STREAM_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
@@ -61,10 +62,10 @@ def episodes_to_arrow(episodes: Sequence[Episode]) -> bytes:
         pa.array([episode.reward for episode in episodes], pa.float64()),
         pa.array([episode.attempt for episode in episodes], pa.int32()),
         pa.array([episode.num_turns for episode in episodes], pa.int32()),
-        _list_column([episode.prompt_ids for episode in episodes], pa.int32(), 4),
-        _list_column([episode.response_ids for episode in episodes], pa.int32(), 4),
-        _list_column([episode.loss_mask for episode in episodes], pa.uint8(), 1),
-        _list_column([episode.rollout_logprobs for episode in episodes], pa.float64(), 8),
+        _list_column([episode.prompt_ids for episode in episodes], pa.int32(), blobs.ID_BYTES),
+        _list_column([episode.response_ids for episode in episodes], pa.int32(), blobs.ID_BYTES),
+        _list_column([episode.loss_mask for episode in episodes], pa.uint8(), blobs.MASK_BYTES),
+        _list_column([episode.rollout_logprobs for episode in episodes], pa.float64(), blobs.LOGPROB_BYTES),
         pa.array([[turn.get("weight_version") for turn in rows] for rows in turns], pa.list_(pa.string())),
         pa.array(
             [[(turn.get("finish_reason") or {}).get("type") for turn in rows] for rows in turns],

@@ -18,13 +18,13 @@ from service.api.errors import NotFound, responses
 from service.api.schemas import BatchOut, EpisodeSummary, EpisodeWithTokens
 from service.app_state import Services
 from service.loop.records import FINISHED_STATUSES
+from service.storage import blobs
 from service.storage.batches import TOKEN_COLUMNS, batch_status_counts, get_batch, load_batch_episodes
 from service.storage.models import Batch, Episode
 
 router = APIRouter(tags=["batches"])
 
 WAIT_POLL_SECONDS = 1.0  # how often a long-poll re-reads the database (other processes' results)
-BYTES_PER_ID = 4  # int32 blobs
 
 
 async def _wait_until_complete(services: Services, batch_id: str, wait: float) -> None:
@@ -68,8 +68,8 @@ async def _summaries(
     summaries = [
         summarize(
             row.Episode,
-            prompt_length=None if row.prompt_bytes is None else row.prompt_bytes // BYTES_PER_ID,
-            response_length=None if row.response_bytes is None else row.response_bytes // BYTES_PER_ID,
+            prompt_length=None if row.prompt_bytes is None else row.prompt_bytes // blobs.ID_BYTES,
+            response_length=None if row.response_bytes is None else row.response_bytes // blobs.ID_BYTES,
         )
         for row in rows
         if row.Episode.group_index in groups

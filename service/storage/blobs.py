@@ -18,7 +18,9 @@ _NEEDS_SWAP = sys.byteorder != "little"
 
 # The array typecodes above are 4/1/8 bytes on every platform CPython supports; the stored
 # format depends on it, so check once rather than trust it.
-assert array(_INT32).itemsize == 4 and array(_UINT8).itemsize == 1 and array(_FLOAT64).itemsize == 8
+ID_BYTES, MASK_BYTES, LOGPROB_BYTES = 4, 1, 8
+assert array(_INT32).itemsize == ID_BYTES and array(_UINT8).itemsize == MASK_BYTES
+assert array(_FLOAT64).itemsize == LOGPROB_BYTES
 
 
 def _encode(typecode: str, values: Iterable[int] | Iterable[float]) -> bytes:

@@ -73,7 +73,10 @@ class Settings(BaseSettings):
         default=0.2, gt=0, description="Idle poll interval of the claim loop when the queue was empty."
     )
     max_attempts: int = Field(
-        default=3, ge=1, description="An episode re-queued this many times (e.g. crashing its worker) fails."
+        default=3,
+        ge=1,
+        description="An episode fails after this many failed attempts (its worker crashed or was killed, "
+        "or the engine stayed unreachable); releases on a graceful shutdown do not count.",
     )
     max_running_episodes: int = Field(default=2048, ge=1, description="Episodes in flight in this process.")
     max_inflight_generates: int = Field(default=512, ge=1, description="Concurrent /generate calls.")

@@ -268,8 +268,22 @@ async def test_expired_leases_fail_after_max_attempts(db: Database) -> None:
     async with db.sessionmaker() as session:
         row = await session.get(Episode, claimed.id)
         assert row is not None and row.status == "failed" and row.attempt == max_attempts - 1
-        assert row.error == "lease expired on attempt 3 of 3 (worker crashed or was killed)"
+        assert row.failures == max_attempts
+        assert row.error == "lease expired 3 times (a worker crashed or was killed); last attempt 2"
         assert row.finished_at is not None and row.lease_expires_at is None
+
+
+async def test_graceful_releases_do_not_use_up_the_failure_budget(db: Database) -> None:
+    """Deploys release in-flight episodes; only crashes and engine outages count as failures."""
+    await enqueue(db, groups=1, samples=1)
+    for attempt in range(5):  # five graceful restarts, more than max_attempts
+        (claimed,) = await claim_episodes(db.sessionmaker, f"w{attempt}", 1, LEASE_SECONDS)
+        assert (claimed.attempt, claimed.failures) == (attempt, 0)
+        assert await release_episodes(db.sessionmaker, f"w{attempt}") == 1
+    (claimed,) = await claim_episodes(db.sessionmaker, "w5", 1, LEASE_SECONDS)
+    assert await release_episodes(db.sessionmaker, "w5", [claimed.id], failed=True) == 1
+    (claimed,) = await claim_episodes(db.sessionmaker, "w6", 1, LEASE_SECONDS)
+    assert (claimed.attempt, claimed.failures) == (6, 1)
 
 
 async def test_release_requeues_own_running_episodes(db: Database) -> None:

@@ -84,6 +84,7 @@ async def enqueue_batch(
                     "max_response_tokens": episode.max_response_tokens,
                     "status": EpisodeStatus.QUEUED.value,
                     "attempt": 0,
+                    "failures": 0,
                     "created_at": now,
                 }
                 for episode in episodes

@@ -121,6 +121,9 @@ class Episode(Base):
     status: Mapped[str] = mapped_column(String(16))
     # Fencing token: +1 on every re-queue, so a worker that lost its lease cannot finish the row.
     attempt: Mapped[int] = mapped_column(Integer)
+    # Attempts that ended by a crash, a kill or an unreachable engine (graceful releases on
+    # shutdown do not count): at MAX_ATTEMPTS of them the episode fails.
+    failures: Mapped[int] = mapped_column(Integer, server_default="0")
     lease_owner: Mapped[str | None] = mapped_column(String(128))
     lease_expires_at: Mapped[datetime | None]
 

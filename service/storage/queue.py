@@ -51,6 +51,7 @@ class ClaimedEpisode:
 
     id: str
     attempt: int
+    failures: int
     env: str
     task_split: str
     task_index: int
@@ -133,6 +134,7 @@ def _chunks(ids: Sequence[str]) -> Iterator[Sequence[str]]:
 _CLAIMED_COLUMNS = (
     Episode.id,
     Episode.attempt,
+    Episode.failures,
     Episode.env,
     Episode.task_split,
     Episode.task_index,
@@ -216,8 +218,9 @@ async def renew_leases(
 async def requeue_expired(
     sm: SessionMaker, max_attempts: int, *, spare_owner: str | None = None, now: datetime | None = None
 ) -> int:
-    """Re-queue running episodes whose lease expired, with attempt + 1; an episode that already ran
-    `max_attempts` times fails instead. Returns how many episodes were re-queued or failed.
+    """Re-queue running episodes whose lease expired (their worker crashed or was killed), with
+    attempt + 1 and failures + 1; an episode at `max_attempts` failures fails instead. Returns how
+    many episodes were re-queued or failed.
 
     `spare_owner`: a live worker's own episodes are left alone; its heartbeat may merely be late
     under load, and re-queuing them would throw their work away.
@@ -226,16 +229,17 @@ async def requeue_expired(
     expired: tuple[ColumnElement[bool], ...] = (Episode.status == _RUNNING, Episode.lease_expires_at < now)
     if spare_owner is not None:
         expired = (*expired, Episode.lease_owner != spare_owner)
-    used_up = Episode.attempt + 1 >= max_attempts
+    used_up = Episode.failures + 1 >= max_attempts
     async with sm.begin() as session:
         failed = await session.scalars(
             update(Episode)
             .where(*expired, used_up)
             .values(
                 status=EpisodeStatus.FAILED.value,
-                error=literal("lease expired on attempt ")
-                + cast(Episode.attempt + 1, String)
-                + literal(f" of {max_attempts} (worker crashed or was killed)"),
+                error=literal(f"lease expired {max_attempts} times (a worker crashed or was killed); ")
+                + literal("last attempt ")
+                + cast(Episode.attempt, String),
+                failures=Episode.failures + 1,
                 lease_expires_at=None,
                 finished_at=now,
             )
@@ -245,7 +249,7 @@ async def requeue_expired(
         requeued = await session.scalars(
             update(Episode)
             .where(*expired, ~used_up)
-            .values(**_REQUEUED)
+            .values(**_REQUEUED, failures=Episode.failures + 1)
             .returning(Episode.id)
             .execution_options(synchronize_session=False)
         )
@@ -283,10 +287,12 @@ async def finish_episode(
 
 
 async def release_episodes(
-    sm: SessionMaker, worker_id: str, episode_ids: Collection[str] | None = None
+    sm: SessionMaker, worker_id: str, episode_ids: Collection[str] | None = None, *, failed: bool = False
 ) -> int:
     """Put episodes still running under `worker_id` back in the queue (attempt + 1), e.g. on a
-    graceful shutdown; None releases all of them. Returns how many were released."""
+    graceful shutdown; None releases all of them. `failed`: the attempt failed (an unreachable
+    engine) and counts towards max_attempts. Returns how many were released."""
+    values = {**_REQUEUED, "failures": Episode.failures + 1} if failed else _REQUEUED
     released = 0
     owned = (Episode.lease_owner == worker_id, Episode.status == _RUNNING)
     chunks: list[Sequence[str] | None] = [None] if episode_ids is None else list(_chunks(sorted(episode_ids)))
@@ -296,9 +302,7 @@ async def release_episodes(
             if chunk is not None:
                 statement = statement.where(Episode.id.in_(chunk))
             result = await session.scalars(
-                statement.values(**_REQUEUED)
-                .returning(Episode.id)
-                .execution_options(synchronize_session=False)
+                statement.values(**values).returning(Episode.id).execution_options(synchronize_session=False)
             )
             released += len(result.all())
     return released

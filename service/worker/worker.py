@@ -150,12 +150,13 @@ class EpisodeWorker:
 
     async def _write(self, claim: ClaimedEpisode, result: EpisodeResult) -> bool:
         """Stores the result, or re-queues a retryable failure that has attempts left."""
-        if result.retryable and claim.attempt + 1 < self.settings.max_attempts:
+        if result.retryable and claim.failures + 1 < self.settings.max_attempts:
             logger.warning(
                 "episode %s attempt %d: %s; queued to run again", claim.id, claim.attempt, result.error
             )
             released = await self._with_retries(
-                claim, lambda: queue.release_episodes(self.sessionmaker, self.worker_id, [claim.id])
+                claim,
+                lambda: queue.release_episodes(self.sessionmaker, self.worker_id, [claim.id], failed=True),
             )
             return bool(released)
         outcome = EpisodeOutcome(

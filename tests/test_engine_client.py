@@ -278,7 +278,7 @@ def test_parse_prefers_logprob_ids_and_warns_on_disagreement(caplog: pytest.LogC
 def test_parse_without_logprobs_falls_back_to_output_ids() -> None:
     generation = parse_generation(response_body({"prompt_tokens": 5, "cached_tokens": 3}, output_ids=[7, 8]))
     assert generation == Generation(
-        [7, 8], [0.0, 0.0], "stop", {"type": "stop", "matched": 2}, None, 5, 3, "hi"
+        [7, 8], [0.0, 0.0], "stop", {"type": "stop", "matched": 2}, None, 5, 3, "hi", has_logprobs=False
     )
 
 

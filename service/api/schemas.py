@@ -75,6 +75,7 @@ class TurnOut(BaseModel):
     engine_seconds: float
     env_seconds: float
     action: str | None
+    has_logprobs: bool = True
 
 
 class EpisodeSummary(BaseModel):

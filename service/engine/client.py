@@ -86,6 +86,7 @@ class Generation:
     prompt_tokens: int | None
     cached_tokens: int | None
     text: str  # SGLang's detokenized text, for reference only: the ids are the truth
+    has_logprobs: bool = True  # False: SGLang sent none, `logprobs` are placeholders (0.0)
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,9 @@ def parse_generation(body: Any) -> Generation:
             )
         output_ids = logprob_ids
     elif output_ids is not None:
+        # No logprobs although they were asked for: the turn records it (TurnRecord.has_logprobs),
+        # so a trainer never takes these zeros for the sampler's logprobs.
+        logger.warning("no output_token_logprobs in %s: its logprobs are stored as 0.0", meta.get("id"))
         logprobs = [0.0] * len(output_ids)
     elif finish_type == "abort":  # aborted before the first token
         output_ids, logprobs = [], []
@@ -185,6 +189,7 @@ def parse_generation(body: Any) -> Generation:
         prompt_tokens=_optional_int(meta.get("prompt_tokens")),
         cached_tokens=_optional_int(meta.get("cached_tokens")),
         text=text if isinstance(text, str) else "",
+        has_logprobs=token_logprobs is not None,
     )
 
 

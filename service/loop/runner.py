@@ -136,6 +136,7 @@ class EpisodeRunner:
             finish_reason=generation.finish_reason,
             output_tokens=len(generation.output_ids),
             engine_seconds=time.perf_counter() - started,
+            has_logprobs=generation.has_logprobs,
         )
         episode.turns.append(record)
         trajectory.add_sampled(generation.output_ids, generation.logprobs)

@@ -43,8 +43,8 @@ class TurnRecord:
     output_tokens: int
     engine_seconds: float
     env_seconds: float = 0.0
-    action: str | None = None
-    has_logprobs: bool = True  # False: SGLang sent no logprobs; this turn's are placeholders (0.0)  # the tool called, "respond", or None when the turn ended the episode
+    action: str | None = None  # the tool called, "respond", or None when the turn ended the episode
+    has_logprobs: bool = True  # False: SGLang sent no logprobs; this turn's are placeholders (0.0)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

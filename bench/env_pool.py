@@ -2,6 +2,8 @@
 
 Each episode: open, reset, a few cheap tool steps, then a final step that burns BURN_CPU_SECONDS
 of pure-Python CPU (like tau-bench's reward computation, 0.3-0.75 s holding the GIL), close.
+Then IN_FLIGHT episodes each take one USER_TURN_SECONDS step that blocks on I/O, like a user-simulator
+turn (an HTTP call inside env.step): they should overlap, taking about USER_TURN_SECONDS in all.
 Run from the repo root: .venv/bin/python bench/env_pool.py [--episodes N] [--workers W]
 The last line of output is one JSON object.
 """
@@ -24,6 +26,8 @@ BURN_CPU_SECONDS = 0.3  # CPU time of the final step, measured per thread
 TOOL_STEPS = 3
 IN_FLIGHT = 8  # concurrent episodes, as the episode runner would have
 LAG_PROBE_SECONDS = 0.01
+USER_TURN_SECONDS = 0.5  # a blocking user-simulator turn inside env.step
+USER_TURN = "user_turn"
 
 
 def burn(cpu_seconds: float) -> int:
@@ -48,6 +52,8 @@ class BurnEnv:
 
     def step(self, action: Action) -> Step:
         self.steps += 1
+        if action.name == USER_TURN:
+            time.sleep(USER_TURN_SECONDS)
         if action.name == RESPOND_ACTION_NAME:
             return Step(observation="bye", reward=float(burn(BURN_CPU_SECONDS) >= 0), done=True)
         return Step(observation=f"result {self.steps}", reward=0.0, done=False)
@@ -97,13 +103,27 @@ async def run(executor: str, workers: int, episodes: int) -> dict[str, float]:
         stop.set()
         await probe
         assert rewards == [1.0] * episodes
+        user_turns_seconds = await concurrent_user_turns(host)
     finally:
         await host.close()
     return {
         "seconds": elapsed,
         "eps_per_s": episodes / elapsed,
         "max_loop_lag_ms": 1000 * max(lags, default=0),
+        "user_turns_seconds": user_turns_seconds,
     }
+
+
+async def concurrent_user_turns(host: EnvHost) -> float:
+    """Seconds for IN_FLIGHT episodes to each play one blocking user turn, all at once."""
+    sessions = [await host.open("bench/burn", "train", f"user-{i}") for i in range(IN_FLIGHT)]
+    try:
+        start = time.perf_counter()
+        await asyncio.gather(*(session.step(Action(USER_TURN, {})) for session in sessions))
+        return time.perf_counter() - start
+    finally:
+        for session in sessions:
+            await session.close()
 
 
 async def main() -> None:
@@ -116,7 +136,8 @@ async def main() -> None:
         results[executor] = result = await run(executor, args.workers, args.episodes)
         print(
             f"{executor:>7}: {args.episodes} episodes in {result['seconds']:.2f} s = "
-            f"{result['eps_per_s']:.2f} episodes/s; max event-loop lag {result['max_loop_lag_ms']:.0f} ms"
+            f"{result['eps_per_s']:.2f} episodes/s; max event-loop lag {result['max_loop_lag_ms']:.0f} ms; "
+            f"{IN_FLIGHT} concurrent {USER_TURN_SECONDS} s user turns in {result['user_turns_seconds']:.2f} s"
         )
     ideal = args.workers / BURN_CPU_SECONDS
     print(f"ideal with {args.workers} cores: {ideal:.2f} episodes/s ({BURN_CPU_SECONDS} s CPU each)")
@@ -126,6 +147,10 @@ async def main() -> None:
         "ratio": round(results["process"]["eps_per_s"] / results["thread"]["eps_per_s"], 3),
         "process_max_loop_lag_ms": round(results["process"]["max_loop_lag_ms"], 1),
         "thread_max_loop_lag_ms": round(results["thread"]["max_loop_lag_ms"], 1),
+        "process_user_turns_s": round(results["process"]["user_turns_seconds"], 3),
+        "thread_user_turns_s": round(results["thread"]["user_turns_seconds"], 3),
+        "user_turns": IN_FLIGHT,
+        "user_turn_seconds": USER_TURN_SECONDS,
         "workers": args.workers,
         "episodes": args.episodes,
         "burn_cpu_seconds": BURN_CPU_SECONDS,

@@ -93,8 +93,8 @@ class Settings(BaseSettings):
     env_call_timeout_seconds: float = Field(
         default=600.0,
         gt=0,
-        description="Timeout of one env open/reset/step; past it the episode fails with an env "
-        "TimeoutError and its environment is abandoned (a stuck thread cannot be stopped).",
+        description="Timeout of one env open/reset/step; past it the call raises an env error "
+        "(TimeoutError) and the episode's environment is abandoned (a stuck thread cannot be stopped).",
     )
     shutdown_timeout_seconds: float = Field(
         default=30.0, ge=0, description="On SIGTERM, how long in-flight episodes may run before release."

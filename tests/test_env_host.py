@@ -1,14 +1,16 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from service.envs.base import Action, UserSimConfig
 from service.envs.host import EnvError, EnvHost, EnvHostClosed, EnvHostError, EnvNotFound, EnvWorkerCrashed
-from tests.envs_for_tests import TEST_ENVS
+from tests.envs_for_tests import SLOW_BUILD_SECONDS, TEST_ENVS
 
 WHOAMI = Action("whoami", {})
 
@@ -18,6 +20,11 @@ async def host(request: pytest.FixtureRequest) -> AsyncIterator[EnvHost]:
     env_host = EnvHost(workers=2, executor=request.param, user_sim=UserSimConfig(model="m"), envs=TEST_ENVS)
     yield env_host
     await env_host.close()
+
+
+@pytest.fixture(params=["process", "thread"])
+def executor(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 @pytest.fixture
@@ -56,22 +63,102 @@ async def test_episodes_are_pinned_and_spread(host: EnvHost) -> None:
     sessions = [await host.open("test/probe", "train", f"ep-{i}") for i in range(4)]
     for session in sessions:
         await session.reset(1)
-    where: dict[int, set[tuple[int, int]]] = {}
+    pids: dict[int, set[int]] = {}
     for _ in range(5):
         steps = await asyncio.gather(*(session.step(WHOAMI) for session in sessions))
         for i, step in enumerate(steps):
-            where.setdefault(i, set()).add((step.info["pid"], step.info["thread"]))
-    # Every episode always ran in the same process and thread: its env object lives there.
-    assert all(len(places) == 1 for places in where.values())
-    # Least-loaded placement: 4 episodes on 2 workers, 2 each.
-    placements = [next(iter(where[i])) for i in range(4)]
-    assert len(set(placements)) == 2
-    assert all(placements.count(p) == 2 for p in set(placements))
+            pids.setdefault(i, set()).add(step.info["pid"])
+    # Every episode always ran in the same process: its env object lives there.
+    assert all(len(places) == 1 for places in pids.values())
+    # Least-loaded placement: 4 episodes on 2 workers, 2 each (and 2 processes in process mode).
+    workers = [session.worker_name for session in sessions]
+    assert sorted(workers.count(name) for name in set(workers)) == [2, 2]
+    if host.executor_kind == "process":
+        assert len({session.pid for session in sessions}) == 2
     # State survives between calls, so each step saw its own env.
     last = await asyncio.gather(*(session.step(WHOAMI) for session in sessions))
     assert [step.info["steps"] for step in last] == [6, 6, 6, 6]
     for session in sessions:
         await session.close()
+
+
+async def test_calls_of_many_episodes_overlap_in_one_worker(executor: str) -> None:
+    # User-simulator turns block on HTTP inside env.step: one worker must not serialize them.
+    env_host = EnvHost(workers=1, executor=executor, envs=TEST_ENVS)
+    try:
+        sessions = [await env_host.open("test/probe", "train", f"ep-{i}") for i in range(8)]
+        started = time.monotonic()
+        steps = await asyncio.gather(*(s.step(Action("sleep", {"seconds": 0.3})) for s in sessions))
+        elapsed = time.monotonic() - started
+        assert elapsed < 1.0, f"8 calls of 0.3 s took {elapsed:.2f} s"
+        assert len({step.info["pid"] for step in steps}) == 1
+        assert len({step.info["thread"] for step in steps}) == 8
+    finally:
+        await env_host.close()
+
+
+async def test_calls_of_one_env_run_one_at_a_time_in_order(host: EnvHost) -> None:
+    session = await host.open("test/probe", "train", "ep")
+    naps = [0.2, 0.0, 0.1, 0.0]
+    steps = await asyncio.gather(
+        *(session.step(Action("sleep", {"seconds": nap, "tag": i})) for i, nap in enumerate(naps))
+    )
+    assert [step.info["steps"] for step in steps] == [1, 2, 3, 4]
+    assert steps[-1].info["tags"] == [0, 1, 2, 3]
+    for before, after in itertools.pairwise(steps):
+        assert before.info["ended"] <= after.info["started"]
+    await session.close()
+
+
+async def test_cancel_during_open_leaves_no_env_behind(host: EnvHost) -> None:
+    opening = asyncio.create_task(host.open("test/slow", "train", "ep"))
+    await asyncio.sleep(0.1)
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    # The build finishes in the worker anyway; then the host drops what it built.
+    await asyncio.sleep(SLOW_BUILD_SECONDS + 0.3)
+    assert await host.open_envs() == 0
+    session = await host.open("test/probe", "train", "ep2")
+    assert await host.open_envs() == 1
+    await session.close()
+    assert await host.open_envs() == 0
+
+
+async def test_timed_out_open_leaves_no_env_behind(executor: str) -> None:
+    env_host = EnvHost(workers=1, executor=executor, envs=TEST_ENVS, call_timeout_seconds=0.1)
+    try:
+        with pytest.raises(
+            EnvError, match=r"open of 'test/slow' for episode 'ep' did not return within 0.1 s"
+        ):
+            await env_host.open("test/slow", "train", "ep")
+        await asyncio.sleep(SLOW_BUILD_SECONDS + 0.3)
+        assert await env_host.open_envs() == 0
+    finally:
+        await env_host.close()
+
+
+async def test_hung_call_times_out_and_close_is_bounded(executor: str) -> None:
+    grace = 0.5
+    env_host = EnvHost(
+        workers=1, executor=executor, envs=TEST_ENVS, call_timeout_seconds=0.3, shutdown_grace_seconds=grace
+    )
+    session = await env_host.open("test/probe", "train", "ep")
+    other = await env_host.open("test/probe", "train", "other")
+    hang = 4.0 if executor == "thread" else 60.0  # a thread cannot be killed: keep the test's exit short
+    with pytest.raises(EnvError) as caught:
+        await session.step(Action("sleep", {"seconds": hang}))
+    assert caught.value.exc_type == "TimeoutError"
+    assert str(caught.value) == "TimeoutError: step 'sleep' of episode 'ep' did not return within 0.3 s"
+    # The session is abandoned (its env may be mid-call); other episodes carry on.
+    with pytest.raises(EnvError, match="abandoned"):
+        await session.step(WHOAMI)
+    assert (await other.step(WHOAMI)).info["steps"] == 1
+    await session.close()
+    await other.close()
+    started = time.monotonic()
+    await env_host.close()
+    assert time.monotonic() - started < grace + 3.0
 
 
 async def test_env_exception_is_env_error(host: EnvHost) -> None:
@@ -137,19 +224,31 @@ async def test_worker_crash_fails_only_its_episodes(process_host: EnvHost) -> No
         await session.close()
 
 
-async def test_crash_with_calls_in_flight(process_host: EnvHost) -> None:
+async def test_crash_fails_only_that_workers_calls_in_flight(process_host: EnvHost) -> None:
     a = await process_host.open("test/probe", "train", "a")
     b = await process_host.open("test/probe", "train", "b")
     c = await process_host.open("test/probe", "train", "c")  # shares a's worker
-    assert a.worker_name == c.worker_name != b.worker_name
+    d = await process_host.open("test/probe", "train", "d")  # shares b's worker
+    assert a.worker_name == c.worker_name != b.worker_name == d.worker_name
+    nap = Action("sleep", {"seconds": 0.5})
     results = await asyncio.gather(
-        a.step(Action("crash", {"code": 1})), c.step(WHOAMI), b.step(WHOAMI), return_exceptions=True
+        c.step(nap), b.step(nap), d.step(nap), a.step(Action("crash", {"code": 1})), return_exceptions=True
     )
-    assert isinstance(results[0], EnvWorkerCrashed)
-    assert isinstance(results[1], EnvWorkerCrashed)
-    assert not isinstance(results[2], BaseException)
-    for session in (a, b, c):
+    assert isinstance(results[0], EnvWorkerCrashed) and f"pid {a.pid} exited with code 1" in str(results[0])
+    assert isinstance(results[3], EnvWorkerCrashed)
+    assert [step.info["steps"] for step in results[1:3] if not isinstance(step, BaseException)] == [1, 1]
+    with pytest.raises(EnvWorkerCrashed, match="its episodes are lost"):
+        await c.step(WHOAMI)
+    for session in (a, b, c, d):
         await session.close()
+    # Later episodes run, on a replacement for the dead worker.
+    fresh = [await process_host.open("test/probe", "train", f"new-{i}") for i in range(2)]
+    pids = await process_host.worker_pids()
+    assert a.pid not in pids and b.pid in pids
+    assert {(await session.step(WHOAMI)).info["pid"] for session in fresh} == set(pids)
+    for session in fresh:
+        await session.close()
+    assert await process_host.open_envs() == 0
 
 
 async def test_idle_dead_worker_does_not_fail_a_new_episode(process_host: EnvHost) -> None:

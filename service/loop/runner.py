@@ -17,12 +17,13 @@ from service.loop.toolcalls import ToolCallParseError, ToolCallParser, strip_rea
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NEW_TOKENS = 1024
+DEFAULT_MAX_NEW_TOKENS = 1024  # per turn, when sampling_params has none
 # SGLang's 400 when input + max_new_tokens exceeds the model: "... the model's context length ...",
 # "... the model's maximum context length of N tokens ...".
-CONTEXT_LENGTH_ERROR = "context length"  # per turn, when sampling_params has none
-# Env errors that are infrastructure (the user simulator's endpoint), not the episode's fault.
-INFRASTRUCTURE_ENV_ERRORS = ("UserSimulatorError",)
+CONTEXT_LENGTH_ERROR = "context length"
+# Env errors that are infrastructure (the user simulator's endpoint, a hung env call), not the
+# policy's doing: the episode fails (not trained on) instead of being aborted.
+INFRASTRUCTURE_ENV_ERRORS = ("UserSimulatorError", "TimeoutError")
 
 
 class Engine(Protocol):

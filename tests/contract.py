@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from service.engine.sim import SimWorker
 
@@ -48,3 +49,17 @@ def sim_calls(sim: SimWorker, episode_id: str, attempt: int) -> list[GenerateCal
         pairs = meta["output_token_logprobs"]
         calls.append(GenerateCall(request.input_ids, [p[1] for p in pairs], [p[0] for p in pairs]))
     return calls
+
+
+def assert_stored_episode_matches_sim(sim: SimWorker, episode: dict[str, Any]) -> None:
+    """An episode as GET /episodes/{id} answers it: its stored attempt's calls, one per turn, and
+    the trainer contract over them."""
+    calls = sim_calls(sim, episode["id"], episode["attempt"])
+    assert len(calls) == episode["num_turns"] == len(episode["weight_versions"]) > 0
+    assert_trainer_contract(
+        episode["prompt_ids"],
+        episode["response_ids"],
+        episode["loss_mask"],
+        episode["rollout_logprobs"],
+        calls,
+    )

@@ -21,6 +21,7 @@ from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.config import Settings
+from service.logs import EPISODE_LOG_FIELDS
 from service.loop.records import EpisodeResult
 from service.loop.runner import EpisodeRunner
 from service.storage import queue
@@ -131,6 +132,14 @@ class EpisodeWorker:
                 pass
 
     async def _run(self, claim: ClaimedEpisode) -> None:
+        EPISODE_LOG_FIELDS.set(
+            {
+                "episode_id": claim.id,
+                "attempt": claim.attempt,
+                "batch_id": claim.batch_id,
+                "worker_id": self.worker_id,
+            }
+        )
         try:
             try:
                 result = await self.runner.run(claim.spec())

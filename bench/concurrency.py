@@ -109,6 +109,8 @@ def sim_worker(latency: float) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        if process.stderr is not None:
+            process.stderr.close()
 
 
 class _LeaseCounter(logging.Handler):

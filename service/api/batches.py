@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Response
-from sqlalchemy import func, select
+from sqlalchemy import Row, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer
 
@@ -48,9 +50,7 @@ def complete_groups(statuses: list[tuple[int, str]]) -> set[int]:
     return {group for group, pending in unfinished.items() if not pending}
 
 
-async def _summaries(
-    session: AsyncSession, batch_id: str, include_tokens: bool
-) -> tuple[list[EpisodeWithTokens] | list[EpisodeSummary], int, int]:
+async def _summary_rows(session: AsyncSession, batch_id: str, include_tokens: bool) -> Sequence[Row[Any]]:
     statement = (
         select(
             Episode,
@@ -63,7 +63,12 @@ async def _summaries(
     )
     if not include_tokens:
         statement = statement.options(*(defer(column, raiseload=True) for column in TOKEN_COLUMNS))
-    rows = (await session.execute(statement)).all()
+    return (await session.execute(statement)).all()
+
+
+def _summaries(
+    rows: Sequence[Row[Any]], include_tokens: bool
+) -> tuple[list[EpisodeWithTokens] | list[EpisodeSummary], int, int]:
     groups = complete_groups([(row.Episode.group_index, row.Episode.status) for row in rows])
     summaries = [
         summarize(
@@ -142,14 +147,27 @@ async def get_batch_results(
     """Counts by status and the episodes of complete groups (a GRPO group arrives whole)."""
     if wait > 0:
         await _wait_until_complete(services, batch.id, wait)
+    arrow = ARROW_STREAM_MEDIA_TYPE in accept
     async with services.database.reader() as session:
         counts = await batch_status_counts(session, batch.id)
-        if ARROW_STREAM_MEDIA_TYPE in accept:
+        if arrow:
             episodes = await load_batch_episodes(session, batch.id, with_tokens=True)
         else:
-            summaries, groups_complete, groups_total = await _summaries(session, batch.id, include_tokens)
-    if ARROW_STREAM_MEDIA_TYPE in accept:  # built after the session closed: it may take a while
-        groups = complete_groups([(episode.group_index, episode.status) for episode in episodes])
-        body = episodes_to_arrow([episode for episode in episodes if episode.group_index in groups])
-        return Response(content=body, media_type=ARROW_STREAM_MEDIA_TYPE)
-    return _batch_out(batch, counts, summaries, (groups_complete, groups_total))
+            rows = await _summary_rows(session, batch.id, include_tokens)
+    # Serializing a large batch takes seconds of CPU: on a thread, after the session closed, so
+    # the episodes running on the event loop (and their lease heartbeats) go on meanwhile.
+    if arrow:
+        return Response(await asyncio.to_thread(_arrow_body, episodes), media_type=ARROW_STREAM_MEDIA_TYPE)
+
+    def json_body() -> bytes:
+        summaries, groups_complete, groups_total = _summaries(rows, include_tokens)
+        return (
+            _batch_out(batch, counts, summaries, (groups_complete, groups_total)).model_dump_json().encode()
+        )
+
+    return Response(await asyncio.to_thread(json_body), media_type="application/json")
+
+
+def _arrow_body(episodes: Sequence[Episode]) -> bytes:
+    groups = complete_groups([(episode.group_index, episode.status) for episode in episodes])
+    return episodes_to_arrow([episode for episode in episodes if episode.group_index in groups])

@@ -45,7 +45,7 @@ async def test_a_completed_episode(host: EnvHost) -> None:
 async def test_env_step_raising_aborts_with_the_error(host: EnvHost) -> None:
     engine = FixedReplies([tool_call("whoami"), tool_call("boom")])
     result = await EpisodeRunner(engine, host, chat_tokenizer(), get_parser("qwen25")).run(spec())
-    assert result.status is EpisodeStatus.ABORTED
+    assert result.status is EpisodeStatus.ABORTED and result.reward == 0.0  # the env's after step 1
     assert result.error is not None and "ValueError: boom at step 2" in result.error
     assert len(result.turns) == 2 and sum(result.loss_mask) > 0  # the turns played are kept
 
@@ -53,7 +53,7 @@ async def test_env_step_raising_aborts_with_the_error(host: EnvHost) -> None:
 async def test_env_worker_crash_fails_the_episode(host: EnvHost) -> None:
     engine = FixedReplies([tool_call("crash", code=9)])
     result = await EpisodeRunner(engine, host, chat_tokenizer(), get_parser("qwen25")).run(spec())
-    assert result.status is EpisodeStatus.FAILED
+    assert result.status is EpisodeStatus.FAILED and result.reward is None
     assert result.error is not None and "env worker crashed" in result.error
     # The host replaced the worker: the next episode runs.
     again = FixedReplies(["bye"])

@@ -197,8 +197,10 @@ class _Episode:
         if status is EpisodeStatus.FAILED:
             logger.warning("episode %s failed: %s", self.spec.episode_id, message)
         reward = self.reward
-        if reward is None and status in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED):
-            reward = 0.0  # a played episode that earned nothing; aborted and failed ones have no reward
+        if status is EpisodeStatus.FAILED:
+            reward = None  # cut short by infrastructure: no reward to train on
+        elif reward is None and status in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED):
+            reward = 0.0  # a played episode that earned nothing
         trajectory = self.trajectory
         return EpisodeResult(
             status=status,

@@ -93,6 +93,9 @@ def _worker_env_count(prefix: str) -> int:
 # ---- The host side. ----
 
 
+CLOSE_WAIT_SECONDS = 2.0  # how long closing a session waits for its worker before moving on
+
+
 def _consume(future: asyncio.Future[Any]) -> None:
     """Done-callback of a future nobody awaits: its exception is expected, not to be logged."""
     if not future.cancelled():
@@ -281,8 +284,8 @@ class EnvHost:
         try:
             return await self._outcome(opened, f"open of {spec.name!r} for episode {episode_key!r}")
         except BaseException:
-            if not opened.done():  # cancelled or timed out: the env is built all the same
-                opened.add_done_callback(functools.partial(self._drop_orphan, worker, key))
+            # Cancelled or timed out (even as the open finished): the env is built all the same.
+            opened.add_done_callback(functools.partial(self._drop_orphan, worker, key))
             raise
 
     def _drop_orphan(self, worker: _Worker, key: str, opened: asyncio.Future[Any]) -> None:
@@ -316,7 +319,9 @@ class EnvHost:
                 return await asyncio.shield(future)
         except BaseException as error:
             if future.done():
-                raise  # the call's own outcome
+                if isinstance(error, TimeoutError) and not future.cancelled():
+                    return future.result()  # it finished as the timeout fell: its own outcome
+                raise  # the call's own outcome, or the caller's cancellation
             future.add_done_callback(_consume)  # nobody awaits it any more
             if isinstance(error, TimeoutError):
                 raise EnvError(
@@ -393,11 +398,18 @@ class EnvSession:
             return
         try:
             closing = self._host._submit(self._worker, _worker_close, self._key)
-            if self._stuck is not None:
-                closing.add_done_callback(_consume)  # the worker's threads may all be stuck
-                return
-            await self._host._outcome(closing, f"close of episode {self.episode_key!r}")
         except (EnvWorkerCrashed, EnvHostClosed):
+            return
+        closing.add_done_callback(_consume)  # whether or not it is awaited below
+        if self._stuck is not None:
+            return  # the worker's threads may all be stuck
+        # A close must neither fail an episode whose result is ready nor hold up a shutdown: it
+        # waits briefly for the worker (its threads may be busy with other episodes), then lets
+        # the close finish on its own.
+        try:
+            async with asyncio.timeout(CLOSE_WAIT_SECONDS):
+                await asyncio.shield(closing)
+        except (TimeoutError, EnvHostError):
             pass
 
     def _check_open(self) -> None:

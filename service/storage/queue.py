@@ -287,14 +287,21 @@ async def finish_episode(
 
 
 async def release_episodes(
-    sm: SessionMaker, worker_id: str, episode_ids: Collection[str] | None = None, *, failed: bool = False
+    sm: SessionMaker,
+    worker_id: str,
+    episode_ids: Collection[str] | None = None,
+    *,
+    failed: bool = False,
+    attempt: int | None = None,
 ) -> int:
     """Put episodes still running under `worker_id` back in the queue (attempt + 1), e.g. on a
     graceful shutdown; None releases all of them. `failed`: the attempt failed (an unreachable
     engine) and counts towards max_attempts. Returns how many were released."""
     values = {**_REQUEUED, "failures": Episode.failures + 1} if failed else _REQUEUED
     released = 0
-    owned = (Episode.lease_owner == worker_id, Episode.status == _RUNNING)
+    owned: tuple[ColumnElement[bool], ...] = (Episode.lease_owner == worker_id, Episode.status == _RUNNING)
+    if attempt is not None:  # only that attempt: a newer one of the same episode is not ours to release
+        owned = (*owned, Episode.attempt == attempt)
     chunks: list[Sequence[str] | None] = [None] if episode_ids is None else list(_chunks(sorted(episode_ids)))
     async with sm.begin() as session:
         for chunk in chunks:

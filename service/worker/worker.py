@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, ProgrammingError
 from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -34,8 +34,11 @@ CLAIM_BATCH = 256  # episodes claimed in one transaction, at most
 STORE_ATTEMPTS = 5  # tries to write a result before releasing the episode to run again
 STORE_BACKOFF_SECONDS = 0.2  # first delay between those tries; doubles
 WRITES_DRAIN_SECONDS = 15.0  # on shutdown, how long result writes already under way may take
+CANCEL_WAIT_SECONDS = 5.0  # on shutdown, how long cancelled episodes may take to unwind
 # What a busy or briefly unreachable database raises; anything else is a bug and is not swallowed.
 DATABASE_ERRORS = (DBAPIError, SQLAlchemyTimeoutError, OSError)
+# What no retry fixes: the row or its data is refused (e.g. a NUL character in a JSON text).
+PERMANENT_DATABASE_ERRORS = (DataError, IntegrityError, ProgrammingError)
 FinishedHook = Callable[[ClaimedEpisode, EpisodeResult], None]
 
 
@@ -67,7 +70,7 @@ class EpisodeWorker:
         self.worker_id = worker_id or new_worker_id()
         self.running: dict[str, _Running] = {}
         self._writes: set[asyncio.Future[bool]] = set()  # result writes under way (shielded)
-        self._unstored: set[str] = set()  # results that could not be written: to release
+        self._unstored: dict[str, int] = {}  # episode -> attempt whose result could not be written
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
@@ -99,7 +102,8 @@ class EpisodeWorker:
             _, pending = await asyncio.wait(tasks, timeout=timeout)
             for task in pending:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            if pending:
+                await asyncio.wait(pending, timeout=CANCEL_WAIT_SECONDS)
         if self._writes:  # shielded from the cancellation above: let them land before releasing
             await asyncio.wait(self._writes, timeout=WRITES_DRAIN_SECONDS)
         for loop in self._loops[1:]:
@@ -121,6 +125,9 @@ class EpisodeWorker:
                 except DATABASE_ERRORS:
                     logger.exception("claiming episodes failed; retrying")
             for claim in claimed:
+                stale = self.running.get(claim.id)
+                if stale is not None:  # its lease expired (this process stalled) and came back to us
+                    stale.task.cancel()
                 task = asyncio.create_task(self._run(claim), name=f"episode {claim.id}")
                 self.running[claim.id] = _Running(claim, task)
             if claimed and len(claimed) == limit:
@@ -148,14 +155,17 @@ class EpisodeWorker:
             except Exception as error:  # a bug in the loop must end this episode, not the worker
                 logger.exception("episode %s crashed", claim.id)
                 result = EpisodeResult.failed(f"internal error: {error!r}")
-            self.running[claim.id].writing = True
+            mine = self.running.get(claim.id)
+            if mine is not None and mine.claim is claim:
+                mine.writing = True
             write = asyncio.ensure_future(self._write(claim, result))
             self._writes.add(write)
             write.add_done_callback(self._writes.discard)
             # A cancellation (shutdown, lost lease) must not cut the write in half; stop() awaits it.
             await asyncio.shield(write)
         finally:
-            self.running.pop(claim.id, None)
+            if (mine := self.running.get(claim.id)) is not None and mine.claim is claim:
+                del self.running[claim.id]
 
     async def _write(self, claim: ClaimedEpisode, result: EpisodeResult) -> bool:
         """Stores the result, or re-queues a retryable failure that has attempts left."""
@@ -165,7 +175,9 @@ class EpisodeWorker:
             )
             released = await self._with_retries(
                 claim,
-                lambda: queue.release_episodes(self.sessionmaker, self.worker_id, [claim.id], failed=True),
+                lambda: queue.release_episodes(
+                    self.sessionmaker, self.worker_id, [claim.id], failed=True, attempt=claim.attempt
+                ),
             )
             return bool(released)
         outcome = EpisodeOutcome(
@@ -181,10 +193,22 @@ class EpisodeWorker:
             error=result.error,
             num_turns=len(result.turns),
         )
-        stored = await self._with_retries(
-            claim,
-            lambda: queue.finish_episode(self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome),
-        )
+        try:
+            stored = await self._with_retries(
+                claim,
+                lambda: queue.finish_episode(
+                    self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome
+                ),
+            )
+        except PERMANENT_DATABASE_ERRORS as error:  # the result itself is refused: record why
+            logger.error("episode %s: its result cannot be stored: %s", claim.id, error)
+            refused = EpisodeOutcome(status="failed", error=f"the result could not be stored: {error}"[:2000])
+            stored = await self._with_retries(
+                claim,
+                lambda: queue.finish_episode(
+                    self.sessionmaker, self.worker_id, claim.id, claim.attempt, refused
+                ),
+            )
         if stored is False:
             logger.warning("episode %s attempt %d lost its lease; result discarded", claim.id, claim.attempt)
         elif stored and self.on_finished is not None:
@@ -197,12 +221,14 @@ class EpisodeWorker:
         for attempt in range(STORE_ATTEMPTS):
             try:
                 return await write()
+            except PERMANENT_DATABASE_ERRORS:
+                raise
             except DATABASE_ERRORS as error:
                 delay = STORE_BACKOFF_SECONDS * 2**attempt
                 logger.warning("writing episode %s failed (%s); retry in %.1f s", claim.id, error, delay)
                 await asyncio.sleep(delay)
         logger.error("episode %s not written after %d tries; it will run again", claim.id, STORE_ATTEMPTS)
-        self._unstored.add(claim.id)
+        self._unstored[claim.id] = claim.attempt
         return None
 
     async def _heartbeat_loop(self) -> None:
@@ -228,10 +254,11 @@ class EpisodeWorker:
     async def _sweep_loop(self) -> None:
         while True:
             try:
-                if self._unstored:
-                    unstored = list(self._unstored)
-                    await queue.release_episodes(self.sessionmaker, self.worker_id, unstored)
-                    self._unstored.difference_update(unstored)
+                for episode_id, attempt in list(self._unstored.items()):  # a failed attempt each
+                    await queue.release_episodes(
+                        self.sessionmaker, self.worker_id, [episode_id], failed=True, attempt=attempt
+                    )
+                    del self._unstored[episode_id]
                 count = await queue.requeue_expired(
                     self.sessionmaker, self.settings.max_attempts, spare_owner=self.worker_id
                 )

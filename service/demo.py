@@ -34,9 +34,11 @@ def _bar(done: int, total: int, counts: dict[str, int], elapsed: float) -> str:
 
 def summarize(table: pa.Table, counts: dict[str, int], elapsed: float) -> str:
     rows = table.to_pylist()
-    groups: dict[int, list[float]] = {}
-    for row in rows:
-        groups.setdefault(row["group_index"], []).append(row["reward"])
+    # What GRPO trains on: the rewards of played episodes (aborted and failed ones are dropped).
+    trained = [row for row in rows if row["status"] in ("completed", "truncated")]
+    groups: dict[int, list[float]] = {row["group_index"]: [] for row in rows}
+    for row in trained:
+        groups[row["group_index"]].append(row["reward"])
     sampled = sum(sum(row["loss_mask"]) for row in rows)
     response = sum(len(row["response_ids"]) for row in rows)
     prompt = sum(len(row["prompt_ids"]) for row in rows)
@@ -47,8 +49,9 @@ def summarize(table: pa.Table, counts: dict[str, int], elapsed: float) -> str:
         f"episodes   {len(rows)} in {len(groups)} groups, {elapsed:.1f}s "
         f"({len(rows) / elapsed:.1f} episodes/s)",
         "statuses   " + ", ".join(f"{status} {count}" for status, count in counts.items() if count),
-        f"reward     mean {mean(row['reward'] for row in rows):.3f}; "
-        f"{mixed} of {len(groups)} groups have mixed rewards (a GRPO signal)",
+        f"reward     mean {mean(row['reward'] for row in trained) if trained else 0.0:.3f} over "
+        f"{len(trained)} completed or truncated; {mixed} of {len(groups)} groups have mixed rewards "
+        "(a GRPO signal)",
         f"tokens     prompt {prompt}, response {response} ({sampled} sampled, loss mask 1; "
         f"{response - sampled} template, tool and user tokens, mask 0); {turns} turns",
     ]

@@ -18,14 +18,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.loop.records import EpisodeSpec
 from service.storage import blobs
-
-# The API-side helpers live in batches.py; re-exported because callers look for the queue here.
-from service.storage.batches import NewEpisode as NewEpisode
-from service.storage.batches import batch_status_counts as batch_status_counts
-from service.storage.batches import enqueue_batch as enqueue_batch
-from service.storage.batches import get_batch as get_batch
-from service.storage.batches import load_batch_episodes as load_batch_episodes
-from service.storage.batches import queue_depth as queue_depth
 from service.storage.db import utcnow
 from service.storage.models import FINISHED_STATUSES, Episode, EpisodeStatus
 

@@ -70,22 +70,21 @@ def _summaries(
     rows: Sequence[Row[Any]], include_tokens: bool
 ) -> tuple[list[EpisodeWithTokens] | list[EpisodeSummary], int, int]:
     groups = complete_groups([(row.Episode.group_index, row.Episode.status) for row in rows])
+    total_groups = len({row.Episode.group_index for row in rows})
+    kept = [row for row in rows if row.Episode.group_index in groups]
     summaries = [
         summarize(
             row.Episode,
             prompt_length=None if row.prompt_bytes is None else row.prompt_bytes // blobs.ID_BYTES,
             response_length=None if row.response_bytes is None else row.response_bytes // blobs.ID_BYTES,
         )
-        for row in rows
-        if row.Episode.group_index in groups
+        for row in kept
     ]
-    total_groups = len({row.Episode.group_index for row in rows})
     if not include_tokens:
         return [EpisodeSummary(**summary) for summary in summaries], len(groups), total_groups
-    episodes = [row.Episode for row in rows if row.Episode.group_index in groups]
     with_tokens = [
-        EpisodeWithTokens(**summary, **token_fields(episode))
-        for summary, episode in zip(summaries, episodes, strict=True)
+        EpisodeWithTokens(**summary, **token_fields(row.Episode))
+        for summary, row in zip(summaries, kept, strict=True)
     ]
     return with_tokens, len(groups), total_groups
 

@@ -143,7 +143,8 @@ class EpisodeRunner:
         trajectory.add_sampled(generation.output_ids, generation.logprobs)
         content = self.chat.sampled_text(generation.output_ids)
         episode.messages.append({"role": "assistant", "content": content})
-        trajectory.add_context(self.chat.closing_ids(generation.output_ids))
+        closing = self.chat.closing_ids(generation.output_ids)
+        trajectory.add_context(closing)
 
         if generation.finish_type == "abort":
             episode.note = (
@@ -152,7 +153,7 @@ class EpisodeRunner:
             return EpisodeStatus.ABORTED
         # SGLang checks the length limit first: a turn whose last allowed token ended it says
         # "length" yet is whole. Only a turn without its end-of-turn token is cut.
-        ended_turn = len(self.chat.closing_ids(generation.output_ids)) < len(self.chat.close_ids)
+        ended_turn = len(closing) < len(self.chat.close_ids)
         if generation.finish_type == "length" and not ended_turn:
             episode.note = f"turn {turn} hit max_new_tokens={max_new_tokens}"
             return EpisodeStatus.TRUNCATED

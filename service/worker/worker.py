@@ -193,22 +193,16 @@ class EpisodeWorker:
             error=result.error,
             num_turns=len(result.turns),
         )
+
+        def finish(outcome: EpisodeOutcome) -> Awaitable[bool]:
+            return queue.finish_episode(self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome)
+
         try:
-            stored = await self._with_retries(
-                claim,
-                lambda: queue.finish_episode(
-                    self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome
-                ),
-            )
+            stored = await self._with_retries(claim, lambda: finish(outcome))
         except PERMANENT_DATABASE_ERRORS as error:  # the result itself is refused: record why
             logger.error("episode %s: its result cannot be stored: %s", claim.id, error)
             refused = EpisodeOutcome(status="failed", error=f"the result could not be stored: {error}"[:2000])
-            stored = await self._with_retries(
-                claim,
-                lambda: queue.finish_episode(
-                    self.sessionmaker, self.worker_id, claim.id, claim.attempt, refused
-                ),
-            )
+            stored = await self._with_retries(claim, lambda: finish(refused))
         if stored is False:
             logger.warning("episode %s attempt %d lost its lease; result discarded", claim.id, claim.attempt)
         elif stored and self.on_finished is not None:

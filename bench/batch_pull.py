@@ -36,10 +36,11 @@ import pyarrow as pa
 
 from service.app import create_app
 from service.config import Settings
+from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
 from service.serving import serve_app
-from service.storage.batches import NewEpisode, enqueue_batch
+from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
 from service.storage.db import Database, run_migrations
-from service.storage.queue import EpisodeOutcome, claim_episodes, finish_episode
+from service.storage.queue import claim_episodes, finish_episode
 
 ARROW = "application/vnd.apache.arrow.stream"
 PROMPT_TOKENS = 1500
@@ -72,15 +73,21 @@ async def write_batch(database_url: str, episodes: int, tokens: int, seed: int) 
         async with database.sessionmaker.begin() as session:
             await enqueue_batch(
                 session,
-                batch_id=batch_id,
-                request_hash="bench",
-                env="builtin/shop",
-                task_split="train",
-                metadata={"bench": "batch_pull"},
-                episodes=[
-                    NewEpisode(group, 0, "builtin/shop", "train", group, {"max_new_tokens": 1024}, 30)
-                    for group in range(episodes)
-                ],
+                NewBatch(
+                    batch_id=batch_id,
+                    request_hash="bench",
+                    env="builtin/shop",
+                    task_split="train",
+                    metadata={"bench": "batch_pull"},
+                    episodes=[
+                        NewEpisode(
+                            group,
+                            0,
+                            EpisodeRequest("builtin/shop", "train", group, {"max_new_tokens": 1024}, 30),
+                        )
+                        for group in range(episodes)
+                    ],
+                ),
             )
         while True:
             claims = await claim_episodes(database.sessionmaker, "bench", WRITE_CHUNK, 3600)
@@ -90,18 +97,18 @@ async def write_batch(database_url: str, episodes: int, tokens: int, seed: int) 
                 arrays = make_episode(rng, tokens)
                 written[claim.group_index] = arrays
                 turns = [
-                    {"turn": k, "weight_version": "v1", "finish_reason": {"type": "stop"}} for k in range(8)
+                    TurnRecord(k, "v1", {"type": "stop"}, output_tokens=0, engine_seconds=0.0)
+                    for k in range(8)
                 ]
-                outcome = EpisodeOutcome(
-                    status="completed",
+                result = EpisodeResult(
+                    status=EpisodeStatus.COMPLETED,
                     reward=rng.random(),
                     messages=[],
                     info={},
                     turns=turns,
-                    num_turns=len(turns),
                     **arrays,
                 )
-                assert await finish_episode(database.sessionmaker, "bench", claim.id, claim.attempt, outcome)
+                assert await finish_episode(database.sessionmaker, "bench", claim.id, claim.attempt, result)
     finally:
         await database.dispose()
     return batch_id, written

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -25,24 +26,33 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
-from collections.abc import Iterator
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import aiohttp  # noqa: E402
+import asyncpg  # noqa: E402
 import httpx  # noqa: E402
+import orjson  # noqa: E402
 
 from service.app import create_app  # noqa: E402
 from service.config import Settings  # noqa: E402
+from service.engine.transport import AiohttpTransport, Reply  # noqa: E402
+from service.records import rid_attempt_key  # noqa: E402
 from service.serving import serve_app  # noqa: E402
 from service.storage.db import run_migrations  # noqa: E402
 
 PROBE_INTERVAL = 0.010
-_PATCHED: dict[str, Any] = {}
+HEALTH_PROBE_INTERVAL = 0.2
+POSTGRES_HOST = os.environ.get("BENCH_POSTGRES_HOST", "postgres@127.0.0.1:5432")
+T = TypeVar("T")
+JSON = {"content-type": "application/json"}
 IDLE_PROBE_SECONDS = 2.0
 SIM_START_TIMEOUT = 30.0
 SHOP_TEST_TASKS = 50
@@ -125,68 +135,79 @@ class _LeaseCounter(logging.Handler):
             self.lost += 1
 
 
-def patch_httpcore() -> None:
-    """WHAT-IF ONLY (--what-if-http-fix): two httpcore 1.0.x costs that dominate at 1000s of
-    connections, removed in this process to show what the service would get without them.
+class GenerateRecorder:
+    """Keeps every /generate body the service sends, by episode, for the bare-client baseline."""
 
-    1. `current_async_library()` runs `import sniffio` on every lock and connection; sniffio is not
-       installed (anyio 4 no longer needs it), so every call is a failed import: a sys.path scan.
-    2. `_assign_requests_to_connections` counts the idle connections once per idle connection
-       (a list over the pool inside the loop over the pool): O(connections^2) on every request
-       start and end.
-    """
-    import httpcore._backends.auto as auto
-    import httpcore._synchronization as sync
-    from httpcore._async.connection_pool import AsyncConnectionPool
+    def __init__(self) -> None:
+        self.bodies: dict[str, list[bytes]] = defaultdict(list)
+        self._post: Any = None
 
-    if _PATCHED:
-        return
-    _PATCHED["sniffio"] = sync.current_async_library
-    sync.current_async_library = auto.current_async_library = lambda: "asyncio"
-    _PATCHED["assign"] = AsyncConnectionPool._assign_requests_to_connections
+    def install(self) -> None:
+        self._post = original = AiohttpTransport.post
+        bodies = self.bodies
 
-    def assign(self: Any) -> list[Any]:
-        # httpcore 1.0.9's logic, with the idle count kept instead of recounted per connection.
-        closing = []
-        idle = sum(1 for connection in self._connections if connection.is_idle())
-        for connection in list(self._connections):
-            if connection.is_closed():
-                self._connections.remove(connection)
-            elif connection.has_expired():
-                self._connections.remove(connection)
-                closing.append(connection)
-            elif connection.is_idle() and idle > self._max_keepalive_connections:
-                self._connections.remove(connection)
-                closing.append(connection)
-                idle -= 1
-        for pool_request in [request for request in self._requests if request.is_queued()]:
-            origin = pool_request.request.url.origin
-            available = next(
-                (c for c in self._connections if c.can_handle_request(origin) and c.is_available()), None
-            )
-            if available is None and len(self._connections) >= self._max_connections:
-                spare = next((c for c in self._connections if c.is_idle()), None)
-                if spare is None:
-                    continue
-                self._connections.remove(spare)
-                closing.append(spare)
-            if available is None:
-                available = self.create_connection(origin)
-                self._connections.append(available)
-            pool_request.assign_to_connection(available)
-        return closing
+        async def post(transport: AiohttpTransport, url: str, body: bytes, timeout: float) -> Reply:
+            rid = orjson.loads(body)["rid"]
+            bodies[rid_attempt_key(rid)].append(body)
+            return await original(transport, url, body, timeout)
 
-    AsyncConnectionPool._assign_requests_to_connections = assign  # type: ignore[method-assign]
+        AiohttpTransport.post = post  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        if self._post is not None:
+            AiohttpTransport.post = self._post  # type: ignore[method-assign]
 
 
-def unpatch_httpcore() -> None:
-    import httpcore._backends.auto as auto
-    import httpcore._synchronization as sync
-    from httpcore._async.connection_pool import AsyncConnectionPool
+async def bare_client_baseline(url: str, bodies: dict[str, list[bytes]]) -> dict[str, float]:
+    """The same bodies, each episode's in order, all episodes at once, from one plain aiohttp
+    session: what the HTTP calls alone cost this process."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(bodies) or 1)) as session:
 
-    if _PATCHED:
-        sync.current_async_library = auto.current_async_library = _PATCHED.pop("sniffio")
-        AsyncConnectionPool._assign_requests_to_connections = _PATCHED.pop("assign")  # type: ignore[method-assign]
+        async def replay(episode: list[bytes]) -> None:
+            for body in episode:
+                # A new rid: the service's requests of that rid are long finished, but be safe.
+                async with session.post(
+                    f"{url}/generate", data=body.replace(b'"rid":"', b'"rid":"bare-'), headers=JSON
+                ) as response:
+                    await response.read()
+
+        cpu0, started = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(replay(episode) for episode in bodies.values()))
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - started
+    calls = sum(len(episode) for episode in bodies.values())
+    return {"calls": calls, "cpu_s": cpu, "wall_s": wall, "cpu_ms_per_call": 1e3 * cpu / max(calls, 1)}
+
+
+class HealthProbe:
+    """GET /health every HEALTH_PROBE_INTERVAL from its own connection; latency and errors."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.latencies: list[float] = []
+        self.errors: Counter[str] = Counter()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
+            while True:
+                started = time.perf_counter()
+                try:
+                    response = await client.get("/health")
+                    if response.status_code != 200:
+                        self.errors[f"HTTP {response.status_code}"] += 1
+                except httpx.HTTPError as error:
+                    self.errors[type(error).__name__] += 1
+                self.latencies.append(time.perf_counter() - started)
+                await asyncio.sleep(HEALTH_PROBE_INTERVAL)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> dict[str, float]:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        return lag_stats(self.latencies)
 
 
 class LagProbe:
@@ -261,9 +282,13 @@ async def _run(
     samples = max(1, episodes // SHOP_TEST_TASKS)
     tasks = min(episodes, SHOP_TEST_TASKS)
     total = tasks * samples
+    recorder = GenerateRecorder()
+    recorder.install()
     async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=600) as client:
         probe = LagProbe()
         probe.start()
+        health = HealthProbe(url)
+        health.start()
         cpu0, sim_cpu0, env_cpu0 = (
             time.process_time(),
             cpu_seconds_of(sim_pid),
@@ -305,6 +330,10 @@ async def _run(
         service_cpu = time.process_time() - cpu0
         sim_cpu = cpu_seconds_of(sim_pid) - sim_cpu0
         loop_stats = await probe.stop()
+        health_stats = await health.stop()
+    recorder.uninstall()
+    baseline = await bare_client_baseline(sim_url, recorder.bodies)
+    generate_calls = sum(len(bodies) for bodies in recorder.bodies.values())
 
     statuses = {status: count for status, count in batch["counts"].items() if count}
     finished = int(batch["finished"])
@@ -323,7 +352,6 @@ async def _run(
         "env_executor": executor,
         "env_workers": workers,
         "max_inflight_generates": max_inflight,
-        "what_if_http_fix": bool(_PATCHED),
         "wall_s": round(wall, 3),
         "submit_s": round(submitted, 3),
         "episodes_per_s": round(finished / wall, 2),
@@ -344,6 +372,18 @@ async def _run(
         "idle_loop_lag_max_ms": idle_stats["max_ms"],
         "loop_lag_p99_ratio": round(loop_stats["p99_ms"] / max(idle_stats["p99_ms"], 0.01), 1),
         "service_cpu_s": round(service_cpu, 2),
+        "generate_calls": generate_calls,
+        "service_cpu_ms_per_turn": round(1e3 * service_cpu / max(generate_calls, 1), 3),
+        "bare_client_cpu_ms_per_call": round(baseline["cpu_ms_per_call"], 3),
+        "bare_client_wall_s": round(baseline["wall_s"], 3),
+        "cpu_ratio_to_bare_client": round(
+            service_cpu / max(generate_calls, 1) / max(baseline["cpu_ms_per_call"] / 1e3, 1e-9), 2
+        ),
+        "health_p50_ms": health_stats["p50_ms"],
+        "health_p99_ms": health_stats["p99_ms"],
+        "health_max_ms": health_stats["max_ms"],
+        "health_probes": health_stats["samples"],
+        "health_errors": dict(health.errors),
         "env_workers_cpu_s": round(env_cpu, 2),
         "sim_cpu_s": round(sim_cpu, 2),
         "cpus": os.cpu_count(),
@@ -359,38 +399,66 @@ def run_bench(
     executor: str = "thread",
     workers: int = 2,
     max_inflight: int | None = None,
-    http_fix: bool = False,
     max_wall: float = 80.0,
+    database: str = "sqlite",
 ) -> dict[str, Any]:
     logging.getLogger().setLevel(logging.WARNING)
     counter = _LeaseCounter()
     worker_logger = logging.getLogger("service.worker.worker")
     worker_logger.addHandler(counter)
     worker_logger.propagate = False
-    if http_fix:
-        patch_httpcore()
+    thresholds = gc.get_threshold()
     try:
         result = _run_bench(
-            episodes, latency, executor, workers, max_inflight or max(episodes, 2048), max_wall
+            episodes, latency, executor, workers, max_inflight or max(episodes, 2048), max_wall, database
         )
         result["lost_lease_warnings"] = counter.lost
         return result
     finally:
-        unpatch_httpcore()
+        gc.unfreeze()  # the service froze the heap (Settings.tune_gc); this process goes on
+        gc.set_threshold(*thresholds)
         worker_logger.removeHandler(counter)
         worker_logger.propagate = True
 
 
+@contextmanager
+def bench_database(kind: str) -> Iterator[str]:
+    """A fresh, migrated database: a SQLite file, or a PostgreSQL database dropped afterwards."""
+    if kind == "sqlite":
+        with tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp:
+            url = f"sqlite+aiosqlite:///{tmp}/bench.db"
+            run_migrations(url)
+            yield url
+        return
+    name = f"bench_{uuid.uuid4().hex[:12]}"
+    asyncio.run(_postgres_admin(f"CREATE DATABASE {name}"))
+    try:
+        url = f"postgresql+asyncpg://{POSTGRES_HOST}/{name}"
+        run_migrations(url)
+        yield url
+    finally:
+        asyncio.run(_postgres_admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+async def _postgres_admin(statement: str) -> None:
+    connection = await asyncpg.connect(f"postgresql://{POSTGRES_HOST}/postgres")
+    try:
+        await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
 def _run_bench(
-    episodes: int, latency: float, executor: str, workers: int, max_inflight: int, max_wall: float
+    episodes: int,
+    latency: float,
+    executor: str,
+    workers: int,
+    max_inflight: int,
+    max_wall: float,
+    database: str,
 ) -> dict[str, Any]:
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp,
-        sim_worker(latency) as (sim_url, sim),
-    ):
-        database_url = f"sqlite+aiosqlite:///{tmp}/bench.db"
-        run_migrations(database_url)
-        return asyncio.run(
+    with bench_database(database) as database_url, sim_worker(latency) as (sim_url, sim):
+        result = run_loop(
             _run(
                 episodes=episodes,
                 latency=latency,
@@ -403,6 +471,17 @@ def _run_bench(
                 max_wall=max_wall,
             )
         )
+        result["database"] = database
+        return result
+
+
+def run_loop(coroutine: Coroutine[Any, Any, T]) -> T:
+    """On uvloop where it is installed, as `python -m service serve` runs (uvicorn's default)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
 
 
 def report(r: dict[str, Any]) -> str:
@@ -416,8 +495,7 @@ def report(r: dict[str, Any]) -> str:
             done
             + f"{r['episodes']} episodes of builtin/shop, engine latency {r['latency_s']} s per generate, "
             f"env executor {r['env_executor']} x {r['env_workers']}, {r['cpus']} CPUs, "
-            f"max_inflight_generates {r['max_inflight_generates']}"
-            + (" [WHAT-IF: httpcore patched in-process]" if r["what_if_http_fix"] else ""),
+            f"max_inflight_generates {r['max_inflight_generates']}, {r['database']}",
             f"wall      {r['wall_s']:.2f} s (ideal {r['ideal_wall_s']:.2f} s = {r['max_turns']} turns x "
             f"latency); efficiency {r['efficiency']:.1%}",
             f"rate      {r['episodes_per_s']:.1f} episodes/s (ideal {r['ideal_episodes_per_s']:.1f}), "
@@ -428,6 +506,11 @@ def report(r: dict[str, Any]) -> str:
             f"{r['idle_loop_lag_p99_ms']:.2f}, max {r['idle_loop_lag_max_ms']:.2f})",
             f"CPU       service {r['service_cpu_s']:.1f} s, env workers {r['env_workers_cpu_s']:.1f} s, "
             f"sim worker {r['sim_cpu_s']:.1f} s over {r['wall_s']:.1f} s wall",
+            f"per turn  service {r['service_cpu_ms_per_turn']:.3f} ms CPU; a bare aiohttp client sending the "
+            f"same {r['generate_calls']} bodies: {r['bare_client_cpu_ms_per_call']:.3f} ms per call "
+            f"({r['cpu_ratio_to_bare_client']:.1f}x)",
+            f"/health   p50 {r['health_p50_ms']:.1f} ms, p99 {r['health_p99_ms']:.1f} ms, max "
+            f"{r['health_max_ms']:.1f} ms over {r['health_probes']} probes; errors {r['health_errors']}",
             f"statuses  {r['statuses']}; attempts {r['attempts']}; "
             f"lost-lease warnings {r['lost_lease_warnings']}; GET /batches errors {r['poll_errors']}",
         ]
@@ -448,11 +531,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="Settings.max_inflight_generates (default: max(episodes, 2048))",
     )
-    parser.add_argument(
-        "--what-if-http-fix",
-        action="store_true",
-        help="patch two httpcore hot spots in-process (see patch_httpcore); not the service as is",
-    )
+    parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--max-wall", type=float, default=80.0, help="stop waiting after this many seconds")
     parser.add_argument("--quick", action="store_true", help="50 episodes, 0.05 s latency (smoke test)")
     args = parser.parse_args(argv)
@@ -464,8 +543,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.env_executor,
         args.env_workers,
         args.max_inflight,
-        args.what_if_http_fix,
         args.max_wall,
+        args.database,
     )
     print(report(result))
     print(json.dumps(result))

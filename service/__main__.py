@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
@@ -17,6 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
         "--migrate", action="store_true", help="Migrate the database first (always done for SQLite)."
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="Service processes on this port, each the whole service (default: SERVE_WORKERS, 1).",
     )
     demo = commands.add_parser("demo", help="One batch end to end on SQLite with a simulated SGLang worker.")
     demo.add_argument("--tasks", type=int, default=16, help="Tasks of builtin/shop's test split.")
@@ -32,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     openapi = commands.add_parser("openapi", help="Write the API's OpenAPI document as YAML.")
     openapi.add_argument("--output", type=Path, default=None, help="File to write (default: stdout).")
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.workers is not None and args.workers < 1:
+        parser.error("--workers must be at least 1")
 
     from service.config import Settings
     from service.logs import configure_logging
@@ -43,10 +50,6 @@ def main(argv: list[str] | None = None) -> int:
 
         run_migrations(settings.database_url)
     elif args.command == "serve":
-        import uvicorn
-
-        from service.app import create_app
-        from service.serving import DrainingServer
         from service.storage.db import SchemaOutOfDate, check_schema, is_sqlite, run_migrations
 
         if args.migrate or is_sqlite(settings.database_url):  # an embedded database: nobody else migrates it
@@ -56,24 +59,28 @@ def main(argv: list[str] | None = None) -> int:
         except SchemaOutOfDate as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        shutting_down = asyncio.Event()
-        config = uvicorn.Config(
-            create_app(settings, shutting_down),
-            host=args.host,
-            port=args.port,
-            log_config=None,
-            ws="none",
-            # A backstop: connections still open this long after SIGTERM are closed.
-            timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_seconds)),
-        )
-        DrainingServer(config, shutting_down).run()
+        workers = settings.serve_workers if args.workers is None else args.workers
+        if workers == 1:
+            from service.serving import run_service
+
+            run_service(settings, args.host, args.port)
+            return 0
+        from service.supervisor import Supervisor, listen
+
+        try:
+            sock = listen(args.host, args.port)
+        except OSError as error:
+            print(f"error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
+            return 1
+        with sock:
+            return Supervisor(settings, workers, sock).run()
     elif args.command == "demo":
         from service.demo import run_demo
 
         return run_demo(database_url=args.database, tasks=args.tasks, samples=args.samples)
     elif args.command == "sim-worker":
-        from service.engine.sim import SimConfig
-        from service.engine.sim import main as sim_main
+        from service.sim.worker import SimConfig
+        from service.sim.worker import main as sim_main
 
         sim_config = SimConfig(latency_seconds=args.latency)
         if args.tokenizer:

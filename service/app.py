@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import cast
 
-import httpx
 from fastapi import FastAPI
 
 from service.api import batches, engine, envs, episodes, health
@@ -16,15 +16,16 @@ from service.api.errors import install_error_handlers
 from service.api.middleware import install_middleware
 from service.app_state import ResultsSignal, Services
 from service.config import Settings
-from service.engine.client import SGLangClient, make_generate_pools
+from service.engine.client import SGLangClient, make_control_client
+from service.engine.transport import AiohttpTransport
 from service.envs.base import UserSimConfig
 from service.envs.host import EnvHost
 from service.envs.registry import available_envs
-from service.loop.records import EpisodeResult
 from service.loop.runner import EpisodeRunner
 from service.loop.tokens import ChatTokenizer, HFTokenizer
 from service.loop.toolcalls import get_parser
 from service.metrics import Metrics
+from service.records import EpisodeResult
 from service.storage.db import Database
 from service.storage.queue import ClaimedEpisode
 from service.worker.worker import EpisodeWorker
@@ -42,6 +43,19 @@ def load_chat_tokenizer(settings: Settings) -> ChatTokenizer:
         tool_instruction=settings.tool_instruction,
         template_tool_instruction=settings.template_tool_instruction,
     )
+
+
+# Allocations between young collections (CPython's default: 700). An episode allocates a few
+# hundred objects a turn; at thousands in flight the default collects hundreds of times a second.
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
+def tune_garbage_collector() -> None:
+    """What start-up built (modules, the tokenizer, templates) lives as long as the process: out of
+    the collector's sight (gc.freeze, as CPython's docs advise for long-running servers)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def user_sim_config(settings: Settings) -> UserSimConfig:
@@ -63,11 +77,12 @@ async def lifespan(
     async with AsyncExitStack() as resources:  # each is released even if an earlier release fails
         database = Database.open(settings.database_url)
         resources.push_async_callback(database.dispose)
-        http = httpx.AsyncClient(timeout=httpx.Timeout(settings.engine_timeout_seconds, connect=10.0))
+        if await database.check() != "ok":  # not fatal: the worker retries, /ready tells
+            logger.warning("the database does not answer at start: %s", database.status.describe())
+        http = make_control_client(settings.engine_timeout_seconds)
         resources.push_async_callback(http.aclose)
-        generate_pools = make_generate_pools(settings.max_inflight_generates, settings.engine_timeout_seconds)
-        for pool in generate_pools:
-            resources.push_async_callback(pool.aclose)
+        transport = AiohttpTransport(settings.max_inflight_generates)
+        resources.push_async_callback(transport.aclose)
         engine = SGLangClient(
             http,
             settings.sglang_url,
@@ -76,39 +91,42 @@ async def lifespan(
             backoff_seconds=settings.engine_backoff_seconds,
             timeout_seconds=settings.engine_timeout_seconds,
             worker_urls=settings.worker_url_list,
-            generate_pools=generate_pools,
+            transport=transport,
         )
-        services = Services(
-            settings=settings,
-            database=database,
-            http=http,
-            engine=engine,
-            envs=available_envs(),
-            metrics=metrics,
-            results=ResultsSignal(),
-            shutting_down=shutting_down,
-        )
+        results = ResultsSignal()
+        worker = None
         if settings.run_worker:
             chat = await asyncio.to_thread(load_chat_tokenizer, settings)
-            services.env_host = EnvHost(
+            env_host = EnvHost(
                 settings.env_workers,
                 settings.env_executor,
                 user_sim_config(settings),
                 threads_per_worker=settings.env_threads_per_worker,
                 call_timeout_seconds=settings.env_call_timeout_seconds,
             )
-            resources.push_async_callback(services.env_host.close)
-            runner = EpisodeRunner(engine, services.env_host, chat, get_parser(settings.tool_call_format))
+            resources.push_async_callback(env_host.close)
+            runner = EpisodeRunner(engine, env_host, chat, get_parser(settings.tool_call_format))
 
             def episode_stored(claim: ClaimedEpisode, result: EpisodeResult) -> None:
-                services.metrics.episode_finished(result)
-                services.results.notify()
+                metrics.episode_finished(result)
+                results.notify()
 
-            services.worker = EpisodeWorker(
-                settings, database.sessionmaker, runner, on_finished=episode_stored
-            )
-            services.worker.start()
-            resources.push_async_callback(services.worker.stop)  # first out: drains before the rest closes
+            worker = EpisodeWorker(settings, database, runner, on_finished=episode_stored)
+        services = Services(
+            settings=settings,
+            database=database,
+            engine=engine,
+            envs=available_envs(),
+            metrics=metrics,
+            results=results,
+            shutting_down=shutting_down,
+            worker=worker,
+        )
+        if worker is not None:
+            worker.start()
+            resources.push_async_callback(worker.stop)  # first out: drains before the rest closes
+        if settings.tune_gc:
+            tune_garbage_collector()
         yield {"services": services}
 
 

@@ -5,12 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import httpx
-
 from service.config import Settings
 from service.engine.client import SGLangClient
 from service.envs.base import EnvSpec
-from service.envs.host import EnvHost
 from service.metrics import Metrics
 from service.storage.db import Database
 from service.worker.worker import EpisodeWorker
@@ -34,17 +31,15 @@ class ResultsSignal:
             pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class Services:
-    """What the lifespan builds and the routes use; one per app."""
+    """What the lifespan builds, whole, and the routes use; one per app."""
 
     settings: Settings
     database: Database
-    http: httpx.AsyncClient
     engine: SGLangClient
     envs: dict[str, EnvSpec]
     metrics: Metrics
     results: ResultsSignal  # fires whenever this process stores a result
     shutting_down: asyncio.Event  # set when the server was told to stop: long-polls return at once
-    worker: EpisodeWorker | None = None
-    env_host: EnvHost | None = None
+    worker: EpisodeWorker | None  # None when this process only serves the API (RUN_WORKER=false)

@@ -9,6 +9,9 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.envs.executors import THREADS_PER_WORKER, ExecutorKind
+from service.envs.host import CALL_TIMEOUT_SECONDS
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 TEST_TOKENIZER_DIR = PACKAGE_DIR / "assets" / "tokenizer"
 
@@ -61,6 +64,15 @@ class Settings(BaseSettings):
         "'Authorization: Bearer <key>'. Unset: no authentication (a warning is logged at start).",
     )
 
+    serve_workers: int = Field(
+        default=1,
+        ge=1,
+        description="Service processes `serve` runs on its one port and database (`--workers` overrides "
+        "it), so that one machine's cores all work: each is the whole service (API, worker, env workers, "
+        "engine client); a parent supervises them and serves nothing. MAX_RUNNING_EPISODES, "
+        "MAX_INFLIGHT_GENERATES and ENV_WORKERS are then the command's totals, shared among them.",
+    )
+
     # The queue and the worker.
     run_worker: bool = Field(default=True, description="Run episodes in this process (false: API only).")
     lease_seconds: float = Field(
@@ -81,17 +93,17 @@ class Settings(BaseSettings):
     max_running_episodes: int = Field(default=2048, ge=1, description="Episodes in flight in this process.")
     max_inflight_generates: int = Field(default=512, ge=1, description="Concurrent /generate calls.")
     env_workers: int = Field(default=2, ge=1, description="Environment worker processes (or threads).")
-    env_executor: Literal["process", "thread"] = Field(
+    env_executor: ExecutorKind = Field(
         default="process", description="Env work in worker processes (tau-bench: CPU-heavy) or threads."
     )
     env_threads_per_worker: int = Field(
-        default=32,
+        default=THREADS_PER_WORKER,
         ge=1,
         description="Env calls one env worker runs at once (each episode's calls stay one at a time): "
         "user-simulator turns wait on HTTP inside env.step, so they overlap on threads.",
     )
     env_call_timeout_seconds: float = Field(
-        default=600.0,
+        default=CALL_TIMEOUT_SECONDS,
         gt=0,
         description="Timeout of one env open/reset/step; past it the call raises an env error "
         "(TimeoutError) and the episode's environment is abandoned (a stuck thread cannot be stopped).",
@@ -120,6 +132,13 @@ class Settings(BaseSettings):
     )
     user_sim_temperature: float = Field(default=0.0, ge=0, description="Temperature of every user turn.")
     user_sim_seed: int | None = Field(default=None, description="Seed sent with every user-simulator call.")
+
+    tune_gc: bool = Field(
+        default=True,
+        description="After start-up, freeze what start-up built (gc.freeze) and collect less often: "
+        "full collections over thousands of live episodes stall the event loop. Process-wide; off "
+        "where several apps share a process (tests).",
+    )
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Logging level."

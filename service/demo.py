@@ -18,8 +18,8 @@ from pydantic import SecretStr
 
 from service.app import create_app
 from service.config import Settings
-from service.engine.sim import SimConfig, create_sim_app, serve_in_thread
 from service.serving import serve_app
+from service.sim.worker import SimConfig, create_sim_app, serve_in_thread
 from service.storage.db import run_migrations
 
 ENV = "builtin/shop"

@@ -22,6 +22,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
+            "pid": record.process,  # which process, where `serve --workers N` shares one stderr
         }
         entry.update(EPISODE_LOG_FIELDS.get() or {})
         for field in EXTRA_FIELDS:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_MEDIA_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from service.loop.records import EpisodeResult, EpisodeStatus
-from service.storage.batches import status_counts
-
-if TYPE_CHECKING:
-    from service.app_state import Services
+from service.records import EpisodeResult, EpisodeStatus
 
 LATENCY_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -75,12 +71,13 @@ class Metrics:
             if turn.action is not None:
                 self.env_seconds.observe(turn.env_seconds)
 
-    async def render(self, services: Services) -> bytes:
-        async with services.database.reader() as session:
-            counts = await status_counts(session)
-        for status, count in counts.items():
+    def render(
+        self, episodes_by_status: Mapping[str, int], inflight_episodes: int, inflight_generates: int
+    ) -> bytes:
+        """The text format, with the gauges set from these readings of the database and the process."""
+        for status, count in episodes_by_status.items():
             self.episodes.labels(status).set(count)
-        self.queue_depth.set(counts.get(EpisodeStatus.QUEUED.value, 0))
-        self.inflight_episodes.set(len(services.worker.running) if services.worker else 0)
-        self.inflight_generates.set(services.engine.inflight)
+        self.queue_depth.set(episodes_by_status.get(EpisodeStatus.QUEUED.value, 0))
+        self.inflight_episodes.set(inflight_episodes)
+        self.inflight_generates.set(inflight_generates)
         return generate_latest(self.registry)

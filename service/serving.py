@@ -1,4 +1,5 @@
-"""Serving an app on a free loopback port inside a running event loop (demo, tests, benchmarks)."""
+"""Serving: the service in this process until SIGTERM (`serve`), and an app on a free loopback port
+inside a running event loop (demo, tests, benchmarks)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from types import FrameType
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from service.app import create_app
+from service.config import Settings
 
 STARTUP_TIMEOUT_SECONDS = 60.0
 
@@ -25,6 +29,25 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         self.shutting_down.set()
+
+
+def run_service(
+    settings: Settings, host: str = "127.0.0.1", port: int = 8000, sockets: list[socket.socket] | None = None
+) -> None:
+    """The whole service (API and worker) in this process until SIGTERM or SIGINT, then drained:
+    long-polls end, in-flight episodes get SHUTDOWN_TIMEOUT_SECONDS, the rest go back to the queue.
+    It listens on `sockets` when given (a socket shared by `serve --workers`), else on host:port."""
+    shutting_down = asyncio.Event()
+    config = uvicorn.Config(
+        create_app(settings, shutting_down),
+        host=host,
+        port=port,
+        log_config=None,
+        ws="none",
+        # A backstop: connections still open this long after SIGTERM are closed.
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_seconds)),
+    )
+    DrainingServer(config, shutting_down).run(sockets=sockets)
 
 
 @asynccontextmanager

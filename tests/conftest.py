@@ -35,8 +35,8 @@ from sqlalchemy.engine import make_url
 
 from service.app import create_app
 from service.config import Settings
-from service.engine.sim import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.serving import serve_app
+from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.storage.db import Database, run_migrations
 
 POSTGRES_ADMIN_URL = os.environ.get(
@@ -181,6 +181,7 @@ def service_settings(database_url: str, sglang_url: str, **overrides: object) ->
         "claim_interval_seconds": 0.05,
         "engine_backoff_seconds": 0.05,
         "api_keys": "",
+        "tune_gc": False,  # process-wide: the suite runs many apps in one process
     }
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+import socket
+import time
 from typing import Any
 
 import httpx
@@ -11,11 +13,15 @@ import pyarrow as pa
 import pytest
 from sqlalchemy import func, select
 
-from service.engine.sim import SimWorker
+from service.app import create_app
+from service.serving import serve_app
+from service.sim.worker import SimWorker
 from service.storage.db import Database
 from service.storage.models import Batch, Episode
-from tests.contract import assert_stored_episode_matches_sim
-from tests.tokenizer_helpers import chat_tokenizer
+from tests.conftest import service_settings
+from tests.support.contract import assert_stored_episode_matches_sim
+from tests.support.openai_stub import closed_port_url
+from tests.support.tokenizer import chat_tokenizer
 
 ARROW = "application/vnd.apache.arrow.stream"
 
@@ -240,3 +246,21 @@ async def test_an_engine_outage_requeues_the_episode_for_another_attempt(
     summary = (await wait_complete(client, "outage"))["episodes"][0]
     assert summary["attempt"] == 1 and summary["status"] != "failed", summary
     assert_stored_episode_matches_sim(sim[0], (await client.get(f"/episodes/{summary['id']}")).json())
+
+
+async def test_liveness_answers_from_memory_while_the_database_hangs() -> None:
+    # A "database" that takes connections into its backlog and never says a word.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        settings = service_settings(f"postgresql+asyncpg://nobody@127.0.0.1:{port}/none", closed_port_url())
+        app = create_app(settings.model_copy(update={"run_worker": False}))
+        async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+            started = time.monotonic()
+            health = await http.get("/health")
+            assert time.monotonic() - started < 1.0  # no query behind it
+            assert health.status_code == 200
+            assert health.json() == {"status": "ok", "database": "error: TimeoutError: no answer within 5 s"}
+            ready = await http.get("/ready")
+            assert ready.status_code == 503 and "database error" in ready.json()["detail"]

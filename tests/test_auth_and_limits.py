@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from service.app import create_app
-from service.engine.sim import SimWorker
+from service.sim.worker import SimWorker
 from service.serving import serve_app
 from tests.conftest import service_settings
 

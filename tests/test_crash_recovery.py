@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 
 from service.storage.db import Database
-from tests.contract import assert_trainer_contract, sim_calls
-from tests.service_process import (
+from tests.support.contract import assert_trainer_contract, sim_calls
+from tests.support.service_process import (
     FINISHED,
     attempts_seen,
     episodes_of,
@@ -20,13 +20,7 @@ from tests.service_process import (
     wait_for,
 )
 
-SERVICE_ENV = {
-    "lease_seconds": 2,
-    "sweep_interval_seconds": 0.5,
-    "claim_interval_seconds": 0.05,
-    "env_executor": "process",
-    "env_workers": 1,
-}
+LEASE_SECONDS = 2  # the killed process's episodes are re-queued within about this long
 TASKS, SAMPLES = 4, 2
 MID_BATCH_TIMEOUT_SECONDS = 30.0
 RECOVERY_TIMEOUT_SECONDS = 60.0
@@ -36,7 +30,9 @@ async def test_killed_process_episodes_rerun_once_under_a_new_attempt(
     database_url: str, db: Database, tmp_path: Path
 ) -> None:
     async with simulated_sglang(latency_seconds=0.3) as (sim, sglang_url):
-        async with service_process(tmp_path, database_url, sglang_url, "first", **SERVICE_ENV) as first:
+        async with service_process(
+            tmp_path, database_url, sglang_url, "first", lease_seconds=LEASE_SECONDS
+        ) as first:
             async with httpx.AsyncClient(base_url=first.url, timeout=10) as http:
                 # A batch that finishes before the kill, then one that the kill interrupts.
                 done = await http.post("/episodes", json=submission("done", 1, SAMPLES))
@@ -64,7 +60,7 @@ async def test_killed_process_episodes_rerun_once_under_a_new_attempt(
         assert interrupted and finished_before, {id_: episode.status for id_, episode in at_kill.items()}
         assert interrupted | finished_before == set(episode_ids)  # every episode was claimed at once
 
-        async with service_process(tmp_path, database_url, sglang_url, "second", **SERVICE_ENV):
+        async with service_process(tmp_path, database_url, sglang_url, "second", lease_seconds=LEASE_SECONDS):
             episodes = await wait_batch_finished(db, "done", RECOVERY_TIMEOUT_SECONDS)
             episodes += await wait_batch_finished(db, "crash", RECOVERY_TIMEOUT_SECONDS)
 

@@ -22,9 +22,10 @@ from service.engine.client import (
     SGLangClient,
     parse_generation,
 )
-from service.engine.sim import SimConfig, SimWorker, create_sim_app, serve_in_thread
+from service.engine.transport import AiohttpTransport
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
-from tests.polling import until
+from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
+from tests.support.polling import until
 
 FAST = SimConfig(latency_seconds=0.0, noncanonical_rate=0.5)
 TOKENIZER = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
@@ -195,7 +196,7 @@ async def test_over_a_real_socket() -> None:
         async with httpx.AsyncClient() as http:
             client = make_client(http, url)
             assert await client.health() is True
-            info = await client.model_info()
+            info = (await http.get(f"{url}/get_model_info")).json()
             assert info["is_generation"] is True
             assert info["weight_version"] == "default"
             assert await client.workers() == [url]
@@ -337,8 +338,53 @@ async def test_workers_from_a_router_listing() -> None:
         assert await make_client(http, "http://router").workers() == ["http://a:1", "http://b:2"]
 
 
-async def test_model_info_error_is_an_engine_error() -> None:
-    async with httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(503))) as http:
-        with pytest.raises(EngineError) as raised:
-            await make_client(http).model_info()
-    assert raised.value.retryable is True
+# ---- the production transport (aiohttp) over real sockets ----
+
+
+async def test_the_aiohttp_transport_returns_what_the_worker_sent() -> None:
+    worker = SimWorker(FAST)
+    with serve_in_thread(create_sim_app(worker=worker)) as url:
+        transport = AiohttpTransport(max_connections=4)
+        try:
+            async with httpx.AsyncClient() as http:
+                client = make_client(http, url, transport=transport)
+                generations = await asyncio.gather(
+                    *(client.generate(prompt(), {"max_new_tokens": 200}, f"a{n}:0:0") for n in range(6))
+                )
+        finally:
+            await transport.aclose()
+    by_rid = {request.rid: request for request in worker.requests}
+    for n, generation in enumerate(generations):
+        body = by_rid[f"a{n}:0:0"].response_body
+        assert body is not None and parse_generation(httpx.Response(200, content=body).json()) == generation
+        assert by_rid[f"a{n}:0:0"].body["input_ids"] == prompt()
+
+
+async def test_the_aiohttp_transport_retries_a_refused_connection_then_fails() -> None:
+    transport = AiohttpTransport(max_connections=4)
+    try:
+        async with httpx.AsyncClient() as http:
+            client = make_client(http, f"http://127.0.0.1:{free_port()}", retries=2, transport=transport)
+            with pytest.raises(
+                EngineUnavailableError, match="after 3 attempts: ClientConnectorError"
+            ) as raised:
+                await client.generate([1, 2, 3], {}, "c:0:0")
+    finally:
+        await transport.aclose()
+    assert raised.value.retryable is True and raised.value.status_code is None
+
+
+async def test_the_aiohttp_transport_times_out_aborts_and_retries_under_a_new_rid() -> None:
+    worker = SimWorker(SimConfig(latency_seconds=2.0))
+    with serve_in_thread(create_sim_app(worker=worker)) as url:
+        transport = AiohttpTransport(max_connections=4)
+        try:
+            async with httpx.AsyncClient() as http:
+                client = make_client(http, url, retries=1, timeout_seconds=0.1, transport=transport)
+                with pytest.raises(EngineUnavailableError, match="TimeoutError"):
+                    await client.generate(prompt(), {"max_new_tokens": 8}, "slow:0:0")
+                await until(lambda: worker.running == 0)
+        finally:
+            await transport.aclose()
+    assert [request.rid for request in worker.requests] == ["slow:0:0", "slow:0:0.retry1"]
+    assert {"rid": "slow:0:0", "abort_all": False} in worker.aborts

@@ -3,14 +3,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import pickle
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from service.envs.base import Action, UserSimConfig
-from service.envs.host import EnvError, EnvHost, EnvHostClosed, EnvHostError, EnvNotFound, EnvWorkerCrashed
-from tests.envs_for_tests import SLOW_BUILD_SECONDS, TEST_ENVS
+from service.envs.errors import (
+    EnvCallTimeout,
+    EnvError,
+    EnvHostClosed,
+    EnvHostError,
+    EnvNotFound,
+    EnvWorkerCrashed,
+)
+from service.envs.host import EnvHost
+from tests.support.envs import SLOW_BUILD_SECONDS, TEST_ENVS
 
 WHOAMI = Action("whoami", {})
 
@@ -168,7 +177,7 @@ async def test_env_exception_is_env_error(host: EnvHost) -> None:
         await session.step(Action("boom", {}))
     assert caught.value.exc_type == "ValueError"
     assert caught.value.message == "boom at step 1"
-    assert "Traceback" in caught.value.traceback and "envs_for_tests.py" in caught.value.traceback
+    assert "Traceback" in caught.value.traceback and "support/envs.py" in caught.value.traceback
     assert str(caught.value) == "ValueError: boom at step 1"
     # The env is still there and usable: the runner decides what an env error means.
     step = await session.step(WHOAMI)
@@ -271,6 +280,18 @@ async def test_closed_host_refuses_work() -> None:
     await session.close()
     with pytest.raises(EnvHostClosed):
         await env_host.open("test/probe", "train", "ep2")
+
+
+def test_env_error_says_if_it_is_infrastructure_across_pickling() -> None:
+    errors = [
+        EnvError.from_exception(TimeoutError("slow")),
+        EnvError.from_exception(ValueError("bad")),
+        EnvCallTimeout("step 'x' of episode 'ep' did not return within 1 s"),
+    ]
+    assert [error.infrastructure for error in errors] == [True, False, True]
+    for error in errors:
+        copy = pickle.loads(pickle.dumps(error))
+        assert (type(copy), str(copy), copy.infrastructure) == (type(error), str(error), error.infrastructure)
 
 
 def test_bad_arguments() -> None:

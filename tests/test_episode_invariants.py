@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 
 from service.engine.client import Generation
 from service.envs.base import Action, Reset, Step
-from service.loop.records import EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.loop.runner import EpisodeRunner
 from service.loop.toolcalls import get_parser
-from tests.contract import GenerateCall, assert_trainer_contract
-from tests.tokenizer_helpers import CHAT_VARIANTS, ChatVariant, chat_tokenizer, chat_variant, noncanonical_ids
+from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
+from tests.support.contract import GenerateCall, assert_trainer_contract
+from tests.support.tokenizer import CHAT_VARIANTS, ChatVariant, chat_tokenizer, chat_variant, noncanonical_ids
 
 text = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=60).filter(
     lambda value: "<|" not in value
@@ -161,13 +161,15 @@ def run_episode(
     engine = RecordingEngine(turns, variant)
     session = ScriptedSession(system or "sys", [TOOL_SCHEMA], first or "hi", turns, done_at)
     runner = EpisodeRunner(engine, ScriptedEnvs(session), variant.chat, get_parser("qwen25"))
-    spec = EpisodeSpec("ep", 0, "test", "train", 0, {"max_new_tokens": 64}, max_turns)
+    spec = EpisodeSpec("ep", 0, EpisodeRequest("test", "train", 0, {"max_new_tokens": 64}, max_turns))
     return asyncio.run(runner.run(spec)), engine
 
 
 def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
     calls = [GenerateCall(ids, g.output_ids, g.logprobs) for ids, g in engine.calls]
-    assert_trainer_contract(result.prompt_ids, result.response_ids, result.loss_mask, result.logprobs, calls)
+    assert_trainer_contract(
+        result.prompt_ids, result.response_ids, result.loss_mask, result.rollout_logprobs, calls
+    )
     # 4. P + R is the transcript as the model is fed it: one full render of the messages, and the
     # tokens of every turn boundary are present (header after each env message, close after each turn).
     chat = engine.variant.chat

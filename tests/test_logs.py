@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 
 from service.logs import EPISODE_LOG_FIELDS, JsonFormatter
 
@@ -27,3 +28,4 @@ async def test_lines_logged_inside_an_episode_task_carry_its_ids() -> None:
     assert first["message"] == "engine retry" and first["level"] == "WARNING" and first["attempt"] == 1
     outside = json.loads(formatter.format(record("worker started")))
     assert "episode_id" not in outside  # the tasks' context did not leak into this one
+    assert outside["pid"] == os.getpid()  # lines of `serve --workers N` processes tell them apart

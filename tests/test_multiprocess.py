@@ -9,8 +9,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.storage.db import Database
-from tests.contract import assert_trainer_contract, sim_calls
-from tests.service_process import (
+from tests.support.contract import assert_trainer_contract, sim_calls
+from tests.support.service_process import (
     attempts_seen,
     service_process,
     simulated_sglang,
@@ -18,11 +18,10 @@ from tests.service_process import (
     wait_batch_finished,
 )
 
-SERVICE_ENV = {
-    "lease_seconds": 5,
-    "sweep_interval_seconds": 0.5,
-    "claim_interval_seconds": 0.05,
+# SERVICE_ENV's, but env work on threads (2, the default count) rather than a worker process each.
+SETTINGS: dict[str, object] = {
     "env_executor": "thread",
+    "env_workers": 2,
     # Few episodes each, so that one process cannot claim the whole batch the moment it is submitted.
     "max_running_episodes": 4,
 }
@@ -48,8 +47,8 @@ async def test_two_processes_share_a_batch_each_episode_once(
 ) -> None:
     async with (
         simulated_sglang(latency_seconds=0.05) as (sim, sglang_url),
-        service_process(tmp_path, database_url, sglang_url, "a", **SERVICE_ENV) as first,
-        service_process(tmp_path, database_url, sglang_url, "b", **SERVICE_ENV) as second,
+        service_process(tmp_path, database_url, sglang_url, "a", **SETTINGS) as first,
+        service_process(tmp_path, database_url, sglang_url, "b", **SETTINGS) as second,
         httpx.AsyncClient(base_url=first.url, timeout=10) as http_first,
         httpx.AsyncClient(base_url=second.url, timeout=10) as http_second,
     ):

@@ -13,13 +13,13 @@ import pytest
 
 from service.engine.client import SGLangClient
 from service.envs.host import EnvHost
-from service.loop.records import EpisodeSpec, EpisodeStatus
 from service.loop.runner import EpisodeRunner
 from service.loop.toolcalls import get_parser
-from tests.engines import FixedReplies, tool_call
-from tests.envs_for_tests import TEST_ENVS
-from tests.openai_stub import closed_port_url
-from tests.tokenizer_helpers import chat_tokenizer
+from service.records import EpisodeRequest, EpisodeSpec, EpisodeStatus
+from tests.support.engines import FixedReplies, tool_call
+from tests.support.envs import TEST_ENVS
+from tests.support.openai_stub import closed_port_url
+from tests.support.tokenizer import chat_tokenizer
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ async def host() -> AsyncIterator[EnvHost]:
 
 
 def spec(env: str = "test/probe", attempt: int = 0) -> EpisodeSpec:
-    return EpisodeSpec("ep1", attempt, env, "train", 3, {"max_new_tokens": 64}, max_turns=5)
+    return EpisodeSpec("ep1", attempt, EpisodeRequest(env, "train", 3, {"max_new_tokens": 64}, max_turns=5))
 
 
 async def test_a_completed_episode(host: EnvHost) -> None:

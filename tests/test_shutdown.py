@@ -11,11 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.engine.sim import SimWorker
+from service.sim.worker import SimWorker
 from service.storage.db import Database
 from service.storage.models import Episode
-from tests.contract import assert_trainer_contract, sim_calls
-from tests.service_process import (
+from tests.support.contract import assert_trainer_contract, sim_calls
+from tests.support.service_process import (
     FINISHED,
     attempts_seen,
     episodes_of,
@@ -26,13 +26,6 @@ from tests.service_process import (
     wait_for,
 )
 
-SERVICE_ENV = {
-    "lease_seconds": 5,
-    "sweep_interval_seconds": 0.5,
-    "claim_interval_seconds": 0.05,
-    "env_executor": "process",
-    "env_workers": 1,
-}
 TASKS, SAMPLES = 4, 2
 EXIT_MARGIN_SECONDS = 8.0  # uvicorn's shutdown, closing the env worker process, interpreter exit
 LONG_POLL_EXIT_MARGIN_SECONDS = 4.0
@@ -69,7 +62,7 @@ async def test_sigterm_releases_unfinished_episodes_after_the_timeout(
     async with simulated_sglang(latency_seconds=0.6) as (sim, sglang_url):
         async with service_process(
             tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=shutdown_timeout,
-            max_running_episodes=4, **SERVICE_ENV,
+            max_running_episodes=4,
         ) as first:  # fmt: skip
             episode_ids = await submit(first.url, "drain")
 
@@ -113,7 +106,7 @@ async def test_sigterm_releases_unfinished_episodes_after_the_timeout(
             else:
                 assert episode.status in FINISHED and episode.attempt == 0
 
-        async with service_process(tmp_path, database_url, sglang_url, "second", **SERVICE_ENV):
+        async with service_process(tmp_path, database_url, sglang_url, "second"):
             episodes = await wait_batch_finished(db, "drain", FINISH_TIMEOUT_SECONDS)
 
     assert [episode.id for episode in episodes] == episode_ids
@@ -130,7 +123,6 @@ async def test_sigterm_lets_in_flight_episodes_finish_within_a_generous_timeout(
     async with simulated_sglang(latency_seconds=0.3) as (sim, sglang_url):
         async with service_process(
             tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=30, max_running_episodes=4,
-            **SERVICE_ENV,
         ) as first:  # fmt: skip
             await submit(first.url, "finish")
 
@@ -172,7 +164,6 @@ async def test_sigterm_is_not_held_up_by_a_long_poll(database_url: str, db: Data
     async with simulated_sglang(latency_seconds=3.0) as (sim, sglang_url):
         async with service_process(
             tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=shutdown_timeout,
-            **SERVICE_ENV,
         ) as first:  # fmt: skip
             await submit(first.url, "polled", tasks=2, samples=1)
             async with httpx.AsyncClient(base_url=first.url, timeout=60) as http:

@@ -13,11 +13,12 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from service.config import TEST_TOKENIZER_DIR
-from service.engine.sim import SimConfig, SimWorker, create_sim_app
-from service.engine.sim_policy import AFTER_PLAN_REPLY, UNKNOWN_REPLY, episode_key, parse_chatml
 from service.envs.base import RESPOND_ACTION_NAME, Action
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, ShopEnv, oracle_plan, tasks
-from tests.polling import until
+from service.records import rid_attempt_key
+from service.sim.policy import AFTER_PLAN_REPLY, UNKNOWN_REPLY, parse_chatml
+from service.sim.worker import SimConfig, SimWorker, create_sim_app
+from tests.support.polling import until
 
 NO_MISTAKES = SimConfig(
     latency_seconds=0.0,
@@ -110,16 +111,16 @@ async def play_episode(
     return None, finishes
 
 
-def test_parse_chatml_and_episode_key() -> None:
+def test_parse_chatml_and_rid_attempt_key() -> None:
     text = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi\nthere<|im_end|>\n<|im_start|>assistant\n"
     assert parse_chatml(text) == [
         ("system", "S", True),
         ("user", "Hi\nthere", True),
         ("assistant", "", False),
     ]
-    assert episode_key("ep-1:0:3") == "ep-1:0"
-    assert episode_key("a:b:c:4") == "a:b:c"
-    assert episode_key("plain") == "plain"
+    assert rid_attempt_key("ep-1:0:3") == "ep-1:0"
+    assert rid_attempt_key("a:b:c:4") == "a:b:c"
+    assert rid_attempt_key("plain") == "plain"
 
 
 async def test_oracle_plays_the_plan_and_earns_reward_one(sim: tuple[SimWorker, httpx.AsyncClient]) -> None:

@@ -10,8 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sqlalchemy import exc, select
 
+from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
 from service.storage import blobs
 from service.storage.batches import (
+    NewBatch,
     NewEpisode,
     batch_status_counts,
     enqueue_batch,
@@ -23,7 +25,6 @@ from service.storage.batches import (
 from service.storage.db import Database, make_engine, make_sessionmaker, utcnow
 from service.storage.models import Episode, EpisodeTokens
 from service.storage.queue import (
-    EpisodeOutcome,
     claim_episodes,
     finish_episode,
     release_episodes,
@@ -72,13 +73,14 @@ def test_blobs_refuse_bad_input() -> None:
         blobs.decode_ids(b"\x00\x00\x00")
 
 
-def test_outcome_checks_the_response_arrays() -> None:
+def test_a_result_checks_the_response_arrays() -> None:
+    completed, running = EpisodeStatus.COMPLETED, EpisodeStatus.RUNNING
     with pytest.raises(ValueError, match="differ in length"):
-        EpisodeOutcome(status="completed", response_ids=[1, 2], loss_mask=[1], rollout_logprobs=[0.0, 0.0])
-    with pytest.raises(ValueError, match="go together"):
-        EpisodeOutcome(status="completed", response_ids=[1], loss_mask=[1])
+        EpisodeResult(completed, None, [1], [1, 2], [1], [0.0, 0.0], [], {})
+    with pytest.raises(ValueError, match="differ in length"):
+        EpisodeResult(completed, None, [1], [1], [1], [], [], {})
     with pytest.raises(ValueError, match="finished status"):
-        EpisodeOutcome(status="running")
+        EpisodeResult(running, None, [], [], [], [], [], {})
 
 
 # --- the queue, on both backends -------------------------------------------------------------------
@@ -90,12 +92,14 @@ async def enqueue(db: Database, groups: int = 2, samples: int = 2) -> str:
         NewEpisode(
             group_index=group,
             sample_index=sample,
-            env="builtin",
-            task_split="test",
-            task_index=10 + group,
-            sampling_params={"temperature": 1.0},
-            max_turns=4,
-            max_response_tokens=None if group else 256,
+            request=EpisodeRequest(
+                env="builtin",
+                task_split="test",
+                task_index=10 + group,
+                sampling_params={"temperature": 1.0},
+                max_turns=4,
+                max_response_tokens=None if group else 256,
+            ),
         )
         for group in range(groups)
         for sample in range(samples)
@@ -103,19 +107,26 @@ async def enqueue(db: Database, groups: int = 2, samples: int = 2) -> str:
     async with db.sessionmaker.begin() as session:
         await enqueue_batch(
             session,
-            batch_id=batch_id,
-            request_hash="h" * 64,
-            env="builtin",
-            task_split="test",
-            metadata={"step": 3},
-            episodes=episodes,
+            NewBatch(
+                batch_id=batch_id,
+                request_hash="h" * 64,
+                env="builtin",
+                task_split="test",
+                metadata={"step": 3},
+                episodes=episodes,
+            ),
         )
     return batch_id
 
 
-def outcome(length: int = 3, status: str = "completed") -> EpisodeOutcome:
-    return EpisodeOutcome(
-        status=status,
+TURN = TurnRecord(
+    turn=0, weight_version="7", finish_reason={"type": "stop"}, output_tokens=3, engine_seconds=0.1
+)
+
+
+def outcome(length: int = 3, status: str = "completed") -> EpisodeResult:
+    return EpisodeResult(
+        status=EpisodeStatus(status),
         reward=1.0,
         prompt_ids=[1, 2, 3],
         response_ids=list(range(100, 100 + length)),
@@ -123,8 +134,7 @@ def outcome(length: int = 3, status: str = "completed") -> EpisodeOutcome:
         rollout_logprobs=[-0.25] * length,
         messages=[{"role": "user", "content": "hi"}],
         info={"reward_breakdown": {"r": 1.0}},
-        turns=[{"weight_version": "7", "finish_reason": "stop"}],
-        num_turns=1,
+        turns=[TURN],
     )
 
 
@@ -154,12 +164,9 @@ async def test_a_batch_id_is_stored_once(db: Database) -> None:
         async with db.sessionmaker.begin() as session:
             await enqueue_batch(
                 session,
-                batch_id=batch_id,
-                request_hash="x",
-                env="e",
-                task_split="s",
-                metadata={},
-                episodes=[],
+                NewBatch(
+                    batch_id=batch_id, request_hash="x", env="e", task_split="s", metadata={}, episodes=[]
+                ),
             )
 
 
@@ -173,8 +180,9 @@ async def test_claim_leases_oldest_first_in_group_order(db: Database) -> None:
         (first, 0, 1),
         (first, 1, 0),
     ]
-    assert claimed[0].max_response_tokens == 256 and claimed[2].max_response_tokens is None
-    assert claimed[0].sampling_params == {"temperature": 1.0} and claimed[0].task_index == 10
+    requests = [claim.spec.request for claim in claimed]
+    assert requests[0].max_response_tokens == 256 and requests[2].max_response_tokens is None
+    assert requests[0].sampling_params == {"temperature": 1.0} and requests[0].task_index == 10
     rest = await claim_episodes(db.sessionmaker, "w2", 10, LEASE_SECONDS)
     assert [(c.batch_id, c.group_index) for c in rest] == [(first, 1), (second, 0)]
     assert await claim_episodes(db.sessionmaker, "w2", 10, LEASE_SECONDS) == []
@@ -215,7 +223,7 @@ async def test_finish_stores_the_outcome_once(db: Database) -> None:
         (episode,) = await load_batch_episodes(session, batch_id, with_tokens=True)
         assert episode.status == "completed" and episode.reward == 1.0 and episode.num_turns == 1
         assert episode.finished_at is not None and episode.lease_expires_at is None
-        assert episode.turns == [{"weight_version": "7", "finish_reason": "stop"}]
+        assert episode.turns == [TURN.to_json()]
         assert episode.info == {"reward_breakdown": {"r": 1.0}}
         assert episode.tokens() == EpisodeTokens(
             prompt_ids=[1, 2, 3],

@@ -17,7 +17,7 @@ from service.envs.base import RESPOND_ACTION_NAME, Action, Step, UserSimConfig
 from service.envs.host import EnvHost
 from service.envs.registry import TAU_BENCH_ENVS
 from service.envs.tau import TauBenchEnvironment
-from tests.openai_stub import StubServer, openai_stub
+from tests.support.openai_stub import StubServer, openai_stub
 
 STANDIN_DIR = Path(__file__).parent / "tau_standin"
 

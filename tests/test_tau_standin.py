@@ -12,16 +12,17 @@ from typing import Any
 import pytest
 
 from service.envs.base import Action, UserSimConfig
-from service.envs.host import EnvError, EnvHost
+from service.envs.errors import EnvError
+from service.envs.host import EnvHost
 from service.envs.registry import TAU_BENCH_ENVS, available_envs, tau_bench_installed
 from service.envs.tau import TauBenchEnvironment
 from service.envs.user_sim import AGENT_GREETING, UserSimulatorError
-from service.loop.records import EpisodeSpec, EpisodeStatus
 from service.loop.runner import EpisodeRunner
 from service.loop.toolcalls import get_parser
-from tests.engines import FixedReplies
-from tests.openai_stub import StubServer, closed_port_url, openai_stub
-from tests.tokenizer_helpers import chat_tokenizer
+from service.records import EpisodeRequest, EpisodeSpec, EpisodeStatus
+from tests.support.engines import FixedReplies
+from tests.support.openai_stub import StubServer, closed_port_url, openai_stub
+from tests.support.tokenizer import chat_tokenizer
 
 STANDIN_DIR = Path(__file__).parent / "tau_standin"
 TAU_ENVS = {spec.name: spec for spec in TAU_BENCH_ENVS}
@@ -187,7 +188,9 @@ async def test_user_simulator_down_fails_the_episode_with_the_reason(standin: No
     """Infrastructure, not the policy's fault: `failed` (not trained on), with the error recorded."""
     host = EnvHost(workers=1, user_sim=UserSimConfig(base_url=closed_port_url(), model="m"), envs=TAU_ENVS)
     try:
-        spec = EpisodeSpec("ep", 0, "tau-bench/retail", "test", 0, {"max_new_tokens": 32}, max_turns=3)
+        spec = EpisodeSpec(
+            "ep", 0, EpisodeRequest("tau-bench/retail", "test", 0, {"max_new_tokens": 32}, max_turns=3)
+        )
         result = await EpisodeRunner(FixedReplies([]), host, chat_tokenizer(), get_parser("qwen25")).run(spec)
     finally:
         await host.close()

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from service.config import TEST_TOKENIZER_DIR
 from service.loop.tokens import ChatTemplateError, ChatTokenizer, Trajectory
-from tests.tokenizer_helpers import TEMPLATES_DIR, chat_tokenizer, chat_variant, load_test_tokenizer
+from tests.support.tokenizer import TEMPLATES_DIR, chat_tokenizer, chat_variant, load_test_tokenizer
 
 
 def test_closing_ids_skip_what_the_model_sampled() -> None:
@@ -68,3 +68,32 @@ def test_a_template_without_the_tool_instruction_is_reported(caplog: pytest.LogC
         load_test_tokenizer(), tool_instruction="One call a turn.", template_tool_instruction="You may call"
     )
     assert "not applied" not in caplog.text
+
+
+@pytest.mark.parametrize("variant", ["chatml", "qwen3", "llama3"])
+def test_a_learned_message_text_gives_the_ids_of_a_full_render(variant: str) -> None:
+    chat = chat_variant(variant).chat
+    messages = [
+        {"role": "user", "content": "Cancel order #W1, please.\n"},
+        {"role": "tool", "name": "get_order", "content": '{"id": "#W1", "status": "pending"}'},
+        {"role": "user", "content": "  spaced  "},
+        {"role": "tool", "name": "get_order", "content": ""},
+    ]
+    for message in messages:
+        assert chat.message_ids(message) == chat.encode(chat._message_text(message))
+    assert chat._message_texts[("user", None)] is not None  # learned, then reused
+
+
+def test_a_template_that_trims_contents_is_rendered_in_full() -> None:
+    tokenizer = load_test_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    chat = ChatTokenizer(tokenizer)
+    message = {"role": "user", "content": "  padded  "}
+    assert (
+        chat.decode(chat.message_ids(message))
+        == "<|im_start|>user\npadded<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert chat._message_texts[("user", None)] is None

@@ -69,6 +69,12 @@ def test_any_arguments_round_trip(prefix: str, arguments: dict[str, object]) -> 
     assert turn.action == Action("tool", arguments)
 
 
+def test_a_closing_tag_inside_the_arguments_is_text() -> None:
+    arguments = {"</tool_call>": "<tool_call>\n", "note": "a\n</tool_call>"}
+    turn = parse_qwen25(call("tool", arguments) + call("second", {}))
+    assert turn.action == Action("tool", arguments) and turn.calls_found == 2
+
+
 def test_reasoning_is_not_part_of_the_action() -> None:
     text = "<think>\nThe user wants order #W1.\n</think>\n\n" + call("get_order", {"id": "#W1"})
     assert parse_qwen25(strip_reasoning(text)).action == Action("get_order", {"id": "#W1"})

@@ -5,17 +5,17 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, status
-from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 
 from service.api.deps import ReadSessionDep, ServicesDep
 from service.api.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge, responses
-from service.api.schemas import EpisodeDetail, EpisodeSummary, SubmitAccepted, SubmitEpisodes, TurnOut
+from service.api.presenters import episode_detail
+from service.api.schemas import EpisodeDetail, SubmitAccepted, SubmitEpisodes
 from service.app_state import Services
-from service.storage.batches import NewEpisode, enqueue_batch, get_batch
+from service.records import EpisodeRequest
+from service.storage.batches import BatchConflict, NewBatch, NewEpisode, submit_batch
 from service.storage.models import Episode
 
 router = APIRouter(tags=["episodes"])
@@ -50,13 +50,31 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> None:
         )
 
 
-async def _episode_ids(session: ReadSessionDep, batch_id: str) -> list[str]:
-    rows = await session.scalars(
-        select(Episode.id)
-        .where(Episode.batch_id == batch_id)
-        .order_by(Episode.group_index, Episode.sample_index)
+def new_batch(body: SubmitEpisodes) -> NewBatch:
+    sampling_params = body.sampling_params.to_sglang()
+    return NewBatch(
+        batch_id=body.batch_id or uuid.uuid4().hex,
+        request_hash=request_hash(body),
+        env=body.env,
+        task_split=body.task_split,
+        metadata=body.metadata,
+        episodes=[
+            NewEpisode(
+                group,
+                sample,
+                EpisodeRequest(
+                    env=body.env,
+                    task_split=body.task_split,
+                    task_index=task_index,
+                    sampling_params=sampling_params,
+                    max_turns=body.max_turns,
+                    max_response_tokens=body.max_response_tokens,
+                ),
+            )
+            for group, task_index in enumerate(body.task_indices)
+            for sample in range(body.samples_per_task)
+        ],
     )
-    return list(rows)
 
 
 @router.post(
@@ -69,54 +87,18 @@ async def _episode_ids(session: ReadSessionDep, batch_id: str) -> list[str]:
 async def submit_episodes(body: SubmitEpisodes, services: ServicesDep) -> SubmitAccepted:
     """Queue `samples_per_task` episodes of each task; the samples of one task form one group."""
     validate_submission(body, services)
-    batch_id = body.batch_id or uuid.uuid4().hex
-    digest = request_hash(body)
-    sampling_params = body.sampling_params.to_sglang()
-    new = [
-        NewEpisode(
-            group_index=group,
-            sample_index=sample,
-            env=body.env,
-            task_split=body.task_split,
-            task_index=task_index,
-            sampling_params=sampling_params,
-            max_turns=body.max_turns,
-            max_response_tokens=body.max_response_tokens,
-        )
-        for group, task_index in enumerate(body.task_indices)
-        for sample in range(body.samples_per_task)
-    ]
-    insert_error: IntegrityError | None = None
+    batch = new_batch(body)
     try:
-        async with services.database.sessionmaker.begin() as session:
-            existing = await get_batch(session, batch_id)
-            if existing is None:
-                await enqueue_batch(
-                    session,
-                    batch_id=batch_id,
-                    request_hash=digest,
-                    env=body.env,
-                    task_split=body.task_split,
-                    metadata=body.metadata,
-                    episodes=new,
-                )
-            created = existing is None
-    except IntegrityError as error:  # a concurrent submission of the same batch id may have won
-        insert_error, created = error, False
-    async with services.database.reader() as session:
-        if not created:
-            stored = await get_batch(session, batch_id)
-            if stored is None and insert_error is not None:
-                raise insert_error  # not a duplicate batch id: a real integrity failure
-            assert stored is not None
-            if stored.request_hash != digest:
-                raise Conflict(f"batch {batch_id!r} exists with a different request; use another batch_id")
-        episode_ids = await _episode_ids(session, batch_id)
-    if created and services.worker is not None:
-        services.worker.wake()
-    if created:
-        services.metrics.episodes_submitted(len(episode_ids))
-    return SubmitAccepted(batch_id=batch_id, episode_ids=episode_ids, created=created)
+        submission = await submit_batch(services.database, batch)
+    except BatchConflict as error:
+        raise Conflict(str(error)) from None
+    if submission.created:
+        services.metrics.episodes_submitted(len(submission.episode_ids))
+        if services.worker is not None:
+            services.worker.wake()
+    return SubmitAccepted(
+        batch_id=batch.batch_id, episode_ids=submission.episode_ids, created=submission.created
+    )
 
 
 async def valid_episode(episode_id: Annotated[str, Path(max_length=128)], session: ReadSessionDep) -> Episode:
@@ -124,33 +106,6 @@ async def valid_episode(episode_id: Annotated[str, Path(max_length=128)], sessio
     if episode is None:
         raise NotFound(f"no episode {episode_id!r}")
     return episode
-
-
-def summarize(episode: Episode, *, prompt_length: int | None, response_length: int | None) -> dict[str, Any]:
-    return {
-        "id": episode.id,
-        "status": episode.status,
-        "reward": episode.reward,
-        "group_index": episode.group_index,
-        "sample_index": episode.sample_index,
-        "task_index": episode.task_index,
-        "attempt": episode.attempt,
-        "num_turns": episode.num_turns,
-        "prompt_length": prompt_length,
-        "response_length": response_length,
-        "error": episode.error,
-    }
-
-
-def token_fields(episode: Episode) -> dict[str, Any]:
-    tokens = episode.tokens()
-    return {
-        "prompt_ids": tokens.prompt_ids if tokens else None,
-        "response_ids": tokens.response_ids if tokens else None,
-        "loss_mask": tokens.loss_mask if tokens else None,
-        "rollout_logprobs": tokens.rollout_logprobs if tokens else None,
-        "weight_versions": [turn.get("weight_version") for turn in episode.turns or []],
-    }
 
 
 @router.get(
@@ -161,28 +116,4 @@ def token_fields(episode: Episode) -> dict[str, Any]:
 )
 async def get_episode(episode: Annotated[Episode, Depends(valid_episode)]) -> EpisodeDetail:
     """One episode with its token arrays as JSON lists, its transcript, env info and turns."""
-    tokens = token_fields(episode)
-    turns = [TurnOut(**turn) for turn in episode.turns or []]
-    return EpisodeDetail(
-        **summarize(
-            episode,
-            prompt_length=None if tokens["prompt_ids"] is None else len(tokens["prompt_ids"]),
-            response_length=None if tokens["response_ids"] is None else len(tokens["response_ids"]),
-        ),
-        **tokens,
-        batch_id=episode.batch_id,
-        env=episode.env,
-        task_split=episode.task_split,
-        sampling_params=episode.sampling_params,
-        max_turns=episode.max_turns,
-        messages=episode.messages,
-        info=episode.info,
-        finish_reasons=[turn.finish_reason for turn in turns],
-        turns=turns,
-        created_at=episode.created_at,
-        started_at=episode.started_at,
-        finished_at=episode.finished_at,
-    )
-
-
-__all__ = ["EpisodeSummary", "router", "summarize"]
+    return episode_detail(episode)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.loop.records import EpisodeStatus
+from service.records import DEFAULT_MAX_NEW_TOKENS, EpisodeStatus, TurnRecord
 
 BATCH_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MAX_TURNS_LIMIT = 1000
@@ -19,7 +19,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    max_new_tokens: int = Field(default=1024, ge=1, le=1_000_000, description="Per turn.")
+    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=1_000_000, description="Per turn.")
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=-1, ge=-1, description="-1: off.")
@@ -67,17 +67,6 @@ class SubmitAccepted(BaseModel):
     created: bool = Field(description="False when this was an idempotent resubmission.")
 
 
-class TurnOut(BaseModel):
-    turn: int
-    weight_version: str | None
-    finish_reason: dict[str, Any]
-    output_tokens: int
-    engine_seconds: float
-    env_seconds: float
-    action: str | None
-    has_logprobs: bool = True
-
-
 class EpisodeSummary(BaseModel):
     id: str
     status: EpisodeStatus
@@ -113,7 +102,7 @@ class EpisodeDetail(EpisodeWithTokens):
     messages: list[dict[str, Any]] | None
     info: dict[str, Any] | None
     finish_reasons: list[dict[str, Any]]
-    turns: list[TurnOut]
+    turns: list[TurnRecord]
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

@@ -9,13 +9,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
-import zlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
+
+from service.engine.transport import (
+    CONNECT_TIMEOUT_SECONDS,
+    GenerateTransport,
+    HttpxTransport,
+    TransportFailure,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -23,24 +30,14 @@ FINISH_TYPES = frozenset({"stop", "length", "abort"})
 # HTTP statuses worth another try: the server or the router is overloaded or restarting.
 RETRYABLE_STATUS = frozenset({408, 429})
 CONTROL_TIMEOUT_SECONDS = 10.0
-JSON_HEADERS = {"content-type": "application/json"}
-# httpcore scans its whole pool on every request start and end: with thousands of connections in
-# one pool that is quadratic CPU (measured: the service's core saturated at 2,000 episodes).
-# Generate calls are spread over pools of at most this many connections, an episode sticking to one.
-CONNECTIONS_PER_POOL = 16
+# Aborts go to the workers the router listed at most this long ago: asking it before every abort
+# costs a request each, and an episode is rarely aborted right as the fleet changes.
+ABORT_WORKERS_TTL_SECONDS = 10.0
 
 
-def make_generate_pools(max_inflight: int, timeout_seconds: float) -> list[httpx.AsyncClient]:
-    """HTTP clients for /generate: enough pools of CONNECTIONS_PER_POOL for `max_inflight` calls."""
-    pools = math.ceil(max_inflight / CONNECTIONS_PER_POOL)
-    per_pool = math.ceil(max_inflight / pools)
-    return [
-        httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_seconds, connect=10.0),
-            limits=httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool),
-        )
-        for _ in range(pools)
-    ]
+def make_control_client(timeout_seconds: float) -> httpx.AsyncClient:
+    """The client of control calls (abort, pause, workers, health): few, off the hot path."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_seconds, connect=CONNECT_TIMEOUT_SECONDS))
 
 
 class EngineError(Exception):
@@ -98,11 +95,12 @@ class _Failure:
     may_be_running: bool = False  # the request may have reached the engine (timeout, dropped connection)
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(status: int, content: bytes) -> str:
+    text = content.decode(errors="replace").strip()
     try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip() or f"HTTP {response.status_code}"
+        body = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return text or f"HTTP {status}"
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, dict) and isinstance(error.get("message"), str):
@@ -110,7 +108,7 @@ def _error_message(response: httpx.Response) -> str:
         for key in ("message", "detail", "error"):
             if isinstance(body.get(key), str):
                 return str(body[key])
-    return response.text.strip()
+    return text
 
 
 def _optional_int(value: Any) -> int | None:
@@ -211,8 +209,7 @@ def generate_body(input_ids_json: str, sampling_params_json: str, rid: str) -> b
 class SGLangClient:
     """Calls one SGLang worker or the SGLang router.
 
-    `http` (the app's shared client) carries control calls; `/generate` goes over
-    `generate_pools` (default: `http` alone), each episode always over the same pool.
+    `http` carries control calls; `/generate` goes over `transport` (default: `http` too).
     """
 
     def __init__(
@@ -225,17 +222,19 @@ class SGLangClient:
         backoff_seconds: float,
         timeout_seconds: float,
         worker_urls: list[str] | None = None,
-        generate_pools: Sequence[httpx.AsyncClient] = (),
+        transport: GenerateTransport | None = None,
     ) -> None:
         self._http = http
-        self._generate_http = list(generate_pools) or [http]
+        self._transport = transport or HttpxTransport(http)
         self.base_url = base_url.rstrip("/")
+        self._generate_url = f"{self.base_url}/generate"
         self._inflight = asyncio.BoundedSemaphore(max_inflight)
         self._max_inflight = max_inflight
         self._retries = retries
         self._backoff_seconds = backoff_seconds
         self._timeout_seconds = timeout_seconds
         self._worker_urls = [url.rstrip("/") for url in worker_urls or []]
+        self._abort_workers: tuple[float, list[str]] | None = None  # (when listed, urls)
 
     @property
     def inflight(self) -> int:
@@ -255,15 +254,13 @@ class SGLangClient:
         `input_ids_json`, the ids already encoded as a JSON array, spares re-encoding a long
         conversation on every turn (see Trajectory.input_ids_json).
         """
-        url = f"{self.base_url}/generate"
         encoded_ids = input_ids_json if input_ids_json is not None else json.dumps(list(input_ids))
         encoded_params = json.dumps(sampling_params, separators=(",", ":"))
-        http = self._generate_client(rid)
         attempt = 0
         attempt_rid = rid
         while True:
             body = generate_body(encoded_ids, encoded_params, attempt_rid)
-            result = await self._post_generate(http, url, body)
+            result = await self._post_generate(body)
             if isinstance(result, Generation):
                 return result
             if result.may_be_running:
@@ -281,44 +278,41 @@ class SGLangClient:
             attempt += 1
             await asyncio.sleep(delay)
 
-    def _generate_client(self, rid: str) -> httpx.AsyncClient:
-        """One of the generate pools, the same for every turn of an episode (its rid prefix)."""
-        episode = rid.split(":", 1)[0]
-        return self._generate_http[zlib.crc32(episode.encode()) % len(self._generate_http)]
-
-    async def _post_generate(self, http: httpx.AsyncClient, url: str, body: bytes) -> Generation | _Failure:
+    async def _post_generate(self, body: bytes) -> Generation | _Failure:
         """One attempt: the Generation, or a retryable failure."""
         async with self._inflight:
             try:
-                response = await http.post(
-                    url, content=body, headers=JSON_HEADERS, timeout=self._timeout_seconds
-                )
-            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
-                return _Failure(f"{type(error).__name__}: {error}")
-            except httpx.TransportError as error:  # read timeouts, dropped connections
-                return _Failure(f"{type(error).__name__}: {error}", may_be_running=True)
-        status = response.status_code
+                reply = await self._transport.post(self._generate_url, body, self._timeout_seconds)
+            except TransportFailure as failure:
+                return _Failure(failure.reason, may_be_running=failure.may_be_running)
+        status = reply.status
         if status >= 500 or status in RETRYABLE_STATUS:
-            return _Failure(f"HTTP {status}: {_error_message(response)}", status_code=status)
+            return _Failure(f"HTTP {status}: {_error_message(status, reply.body)}", status_code=status)
         if status >= 400:
-            raise EngineRequestError(_error_message(response), status)
+            raise EngineRequestError(_error_message(status, reply.body), status)
         try:
-            body = response.json()
-        except ValueError as error:
+            parsed = orjson.loads(reply.body)
+        except orjson.JSONDecodeError as error:
             raise EngineResponseError(f"response is not JSON: {error}") from error
-        return parse_generation(body)
+        return parse_generation(parsed)
 
     async def abort(self, rid: str) -> None:
         """Aborts `rid` (and every rid it prefixes) on each worker; the router does not proxy aborts."""
-        for url, problem in (await self.control("/abort_request", {"rid": rid, "abort_all": False})).items():
+        now = time.monotonic()
+        if self._abort_workers is None or now - self._abort_workers[0] > ABORT_WORKERS_TTL_SECONDS:
+            self._abort_workers = (now, await self.workers())
+        body = {"rid": rid, "abort_all": False}
+        for url, problem in (await self.control("/abort_request", body, self._abort_workers[1])).items():
             if problem is not None:
                 logger.warning("abort %s at %s: %s", rid, url, problem)
 
-    async def control(self, path: str, body: dict[str, Any]) -> dict[str, str | None]:
-        """POSTs a control call (abort, pause_generation, continue_generation) to every worker,
-        always with a JSON body (recent builds answer 400 to a bodyless POST). Returns each
-        worker's problem, None where it succeeded."""
-        urls = await self.workers()
+    async def control(
+        self, path: str, body: dict[str, Any], urls: list[str] | None = None
+    ) -> dict[str, str | None]:
+        """POSTs a control call (abort, pause_generation, continue_generation) to every worker
+        (`urls`, or those listed now), always with a JSON body (recent builds answer 400 to a
+        bodyless POST). Returns each worker's problem, None where it succeeded."""
+        urls = urls if urls is not None else await self.workers()
         results = await asyncio.gather(*(self._control_post(f"{url}{path}", body) for url in urls))
         return dict(zip(urls, results, strict=True))
 
@@ -328,7 +322,7 @@ class SGLangClient:
         except httpx.TransportError as error:
             return f"{type(error).__name__}: {error}"
         if response.is_error:
-            return f"HTTP {response.status_code}: {_error_message(response)}"
+            return f"HTTP {response.status_code}: {_error_message(response.status_code, response.content)}"
         return None
 
     async def workers(self) -> list[str]:
@@ -354,24 +348,6 @@ class SGLangClient:
         except httpx.TransportError:
             return False
         return response.status_code == 200
-
-    async def model_info(self) -> dict[str, Any]:
-        url = f"{self.base_url}/get_model_info"
-        try:
-            response = await self._http.get(url, timeout=CONTROL_TIMEOUT_SECONDS)
-        except httpx.TransportError as error:
-            raise EngineUnavailableError(f"GET {url}: {type(error).__name__}: {error}") from error
-        if response.is_error:
-            status = response.status_code
-            message = f"GET {url}: HTTP {status}: {_error_message(response)}"
-            raise EngineError(message, retryable=status >= 500, status_code=status)
-        try:
-            body = response.json()
-        except ValueError as error:
-            raise EngineResponseError(f"GET {url}: not JSON: {error}") from error
-        if not isinstance(body, dict):
-            raise EngineResponseError(f"GET {url}: expected a JSON object")
-        return body
 
 
 def _worker_list(body: Any) -> list[str]:

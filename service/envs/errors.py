@@ -1,9 +1,15 @@
-"""The errors of env work (EnvHost and its worker processes); `service.envs.host` re-exports them."""
+"""The errors of env work (EnvHost, its sessions and its worker processes)."""
 
 from __future__ import annotations
 
 import signal
 import traceback
+
+from service.envs.user_sim import UserSimulatorError
+
+# Exceptions of env code that are infrastructure (the user simulator's endpoint, a hung call), not
+# the policy's doing: the runner fails the episode (not trained on) instead of aborting it.
+INFRASTRUCTURE_EXCEPTIONS: tuple[type[Exception], ...] = (UserSimulatorError, TimeoutError)
 
 
 class EnvHostError(Exception):
@@ -16,19 +22,24 @@ class EnvNotFound(EnvHostError, LookupError):
 
 class EnvError(EnvHostError):
     """Environment code raised: the original exception's type, message and traceback, as text
-    (it crossed a process boundary, and its class may not be importable on this side)."""
+    (it crossed a process boundary, and its class may not be importable on this side), and
+    whether it is `infrastructure` (see INFRASTRUCTURE_EXCEPTIONS)."""
 
-    def __init__(self, exc_type: str, message: str, traceback: str = "") -> None:
-        super().__init__(exc_type, message, traceback)
+    def __init__(
+        self, exc_type: str, message: str, traceback: str = "", infrastructure: bool = False
+    ) -> None:
+        # The args are the constructor's, so that it pickles (and crosses the process boundary).
+        super().__init__(exc_type, message, traceback, infrastructure)
         self.exc_type = exc_type
         self.message = message
         self.traceback = traceback
+        self.infrastructure = infrastructure
 
     def __str__(self) -> str:
         return f"{self.exc_type}: {self.message}"
 
-    @classmethod
-    def from_exception(cls, exc: BaseException) -> EnvError:
+    @staticmethod
+    def from_exception(exc: BaseException) -> EnvError:
         if isinstance(exc, EnvError):
             return exc
         exc_type = type(exc)
@@ -36,7 +47,18 @@ class EnvError(EnvHostError):
         if exc_type.__module__ not in ("builtins", "__main__"):
             name = f"{exc_type.__module__}.{name}"
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return cls(name, str(exc), text)
+        return EnvError(name, str(exc), text, isinstance(exc, INFRASTRUCTURE_EXCEPTIONS))
+
+
+class EnvCallTimeout(EnvError):
+    """An env call did not return within the host's call timeout (or an earlier one of its session
+    did not): infrastructure. The call may still be running; the session is abandoned."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("TimeoutError", message, infrastructure=True)
+
+    def __reduce__(self) -> tuple[type[EnvCallTimeout], tuple[str]]:
+        return type(self), (self.message,)
 
 
 class EnvWorkerCrashed(EnvHostError):

@@ -10,20 +10,23 @@ from typing import Any, Protocol
 
 from service.engine.client import EngineError, EngineRequestError, Generation
 from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
-from service.envs.host import EnvError, EnvWorkerCrashed
-from service.loop.records import EpisodeResult, EpisodeSpec, EpisodeStatus, TurnRecord
+from service.envs.errors import EnvError, EnvWorkerCrashed
 from service.loop.tokens import ChatTokenizer, Trajectory
 from service.loop.toolcalls import ToolCallParseError, ToolCallParser, strip_reasoning
+from service.records import (
+    DEFAULT_MAX_NEW_TOKENS,
+    EpisodeResult,
+    EpisodeSpec,
+    EpisodeStatus,
+    TurnRecord,
+    attempt_rid_prefix,
+)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_NEW_TOKENS = 1024  # per turn, when sampling_params has none
 # SGLang's 400 when input + max_new_tokens exceeds the model: "... the model's context length ...",
 # "... the model's maximum context length of N tokens ...".
 CONTEXT_LENGTH_ERROR = "context length"
-# Env errors that are infrastructure (the user simulator's endpoint, a hung env call), not the
-# policy's doing: the episode fails (not trained on) instead of being aborted.
-INFRASTRUCTURE_ENV_ERRORS = ("UserSimulatorError", "TimeoutError")
 
 
 class Engine(Protocol):
@@ -65,9 +68,8 @@ class EpisodeRunner:
         try:
             return await self._run(spec)
         except asyncio.CancelledError:
-            # Shutdown or a lost lease: free the engine of this attempt's request (abort matches
-            # rids by prefix; the colon keeps attempt 1 from matching attempt 10).
-            await asyncio.shield(self.engine.abort(f"{spec.episode_id}:{spec.attempt}:"))
+            # Shutdown or a lost lease: free the engine of this attempt's request.
+            await asyncio.shield(self.engine.abort(attempt_rid_prefix(spec.episode_id, spec.attempt)))
             raise
 
     async def _run(self, spec: EpisodeSpec) -> EpisodeResult:
@@ -75,7 +77,7 @@ class EpisodeRunner:
         session: EnvSession | None = None
         try:
             episode.phase = "construction"
-            session = await self.envs.open(spec.env, spec.task_split, f"{spec.episode_id}:{spec.attempt}")
+            session = await self.envs.open(spec.request.env, spec.request.task_split, spec.key)
             return await self._play(episode, session)
         except EngineRequestError as error:
             if CONTEXT_LENGTH_ERROR in str(error).lower():  # the conversation outgrew the model
@@ -86,17 +88,18 @@ class EpisodeRunner:
         except EnvWorkerCrashed as error:
             return episode.end(EpisodeStatus.FAILED, f"env worker crashed: {error}", retryable=True)
         except EnvError as error:
-            infrastructure = error.exc_type.rsplit(".", 1)[-1] in INFRASTRUCTURE_ENV_ERRORS
-            status = EpisodeStatus.FAILED if infrastructure else EpisodeStatus.ABORTED
+            # Infrastructure (the user simulator's endpoint, a hung env call) is not the policy's
+            # doing: the episode fails (not trained on) instead of being aborted.
+            status = EpisodeStatus.FAILED if error.infrastructure else EpisodeStatus.ABORTED
             return episode.end(status, f"env {episode.phase} failed: {error}")
         finally:
             if session is not None:
                 await session.close()
 
     async def _play(self, episode: _Episode, session: EnvSession) -> EpisodeResult:
-        spec = episode.spec
+        request = episode.spec.request
         episode.phase = "reset"
-        reset = await session.reset(spec.task_index)
+        reset = await session.reset(request.task_index)
         episode.info = dict(reset.info)
         episode.messages = [
             {"role": "system", "content": session.system_prompt},
@@ -106,20 +109,20 @@ class EpisodeRunner:
             self.chat.prompt_ids(session.system_prompt, session.tools, reset.observation)
         )
         episode.phase = "step"
-        for turn in range(spec.max_turns):
+        for turn in range(request.max_turns):
             status = await self._turn(episode, session, turn)
             if status is not None:
                 return episode.end(status)
-        episode.note = f"turn limit {spec.max_turns} reached"
+        episode.note = f"turn limit {request.max_turns} reached"
         return episode.end(EpisodeStatus.TRUNCATED)
 
     async def _turn(self, episode: _Episode, session: EnvSession, turn: int) -> EpisodeStatus | None:
         """Plays one turn; returns the episode's final status if the turn ended it."""
-        spec, trajectory = episode.spec, episode.trajectory
-        params = dict(spec.sampling_params)
+        request, trajectory = episode.spec.request, episode.trajectory
+        params = dict(request.sampling_params)
         max_new_tokens = int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
-        if spec.max_response_tokens is not None:
-            remaining = spec.max_response_tokens - len(trajectory.response_ids)
+        if request.max_response_tokens is not None:
+            remaining = request.max_response_tokens - len(trajectory.response_ids)
             if remaining <= 0:
                 episode.note = "response-token budget spent"
                 return EpisodeStatus.TRUNCATED
@@ -127,7 +130,7 @@ class EpisodeRunner:
         params["max_new_tokens"] = max_new_tokens
 
         started = time.perf_counter()
-        rid = f"{spec.episode_id}:{spec.attempt}:{turn}"
+        rid = episode.spec.rid(turn)
         generation = await self.engine.generate(
             trajectory.input_ids(), params, rid, input_ids_json=trajectory.input_ids_json()
         )
@@ -209,7 +212,7 @@ class _Episode:
             prompt_ids=trajectory.prompt_ids,
             response_ids=trajectory.response_ids,
             loss_mask=trajectory.loss_mask,
-            logprobs=trajectory.logprobs,
+            rollout_logprobs=trajectory.logprobs,
             messages=self.messages,
             info=self.info,
             turns=self.turns,

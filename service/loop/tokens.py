@@ -20,6 +20,10 @@ logger = logging.getLogger(__name__)
 # (some templates skip empty contents) and must not look like template syntax.
 PROBE_PREFIX = [{"role": "system", "content": "PROBE_SYSTEM"}, {"role": "user", "content": "PROBE_USER"}]
 PROBE_ASSISTANT = {"role": "assistant", "content": "PROBE_ASSISTANT"}
+# Stands in for a message's content when its template text is learned (see message_ids).
+CONTENT_SLOT = "PROBE_CONTENT_SLOT"
+# Contents a learned template text must render exactly as the template does, or it is not used.
+SLOT_CHECKS = ("  padded  ", "two\nlines\n", "{{ braces }} <tags> & 'quotes' \"double\"", "ünïcødé ✓")
 
 
 class ChatTemplateError(ValueError):
@@ -34,6 +38,12 @@ class HFTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class _FastTokenizer(Protocol):
+    """A `tokenizers.Tokenizer` (a fast HF tokenizer's backend_tokenizer)."""
+
+    def encode(self, sequence: str, add_special_tokens: bool = ...) -> Any: ...
 
 
 @dataclass
@@ -89,6 +99,10 @@ class ChatTokenizer:
         self.tokenizer = tokenizer
         self.tool_instruction = tool_instruction
         self.template_tool_instruction = template_tool_instruction
+        self._backend = self._checked_backend(tokenizer)
+        # (role, name) -> the text around a message's content, or None where the template does
+        # not render the content verbatim (it trims or escapes it): see message_ids.
+        self._message_texts: dict[tuple[str, str | None], tuple[str, str] | None] = {}
         # Only what follows the assistant's content is taken from the template: thinking templates
         # (Qwen3) render the text before it differently once later messages exist, but never
         # the text after it, and the model has already seen and sampled everything before it.
@@ -128,7 +142,27 @@ class ChatTokenizer:
         return text
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @staticmethod
+    def _checked_backend(tokenizer: HFTokenizer) -> _FastTokenizer | None:
+        """The `tokenizers` backend of a fast tokenizer, called directly (half the cost of the
+        transformers wrapper), if it encodes probes exactly as the wrapper does."""
+        backend: _FastTokenizer | None = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        rendered = tokenizer.apply_chat_template(
+            [*PROBE_PREFIX, PROBE_ASSISTANT], tokenize=False, add_generation_prompt=True
+        )
+        for text in (rendered if isinstance(rendered, str) else "", *SLOT_CHECKS):
+            if list(backend.encode(text, add_special_tokens=False).ids) != list(
+                tokenizer.encode(text, add_special_tokens=False)
+            ):
+                logger.warning("the tokenizer's backend encodes differently from its wrapper: not used")
+                return None
+        return backend
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -156,14 +190,41 @@ class ChatTokenizer:
         return self.decode(sampled_ids[:kept])
 
     def message_ids(self, message: dict[str, Any]) -> list[int]:
-        """Ids of a user or tool message that follows an assistant turn, plus the next header."""
+        """Ids of a user or tool message that follows an assistant turn, plus the next header.
+
+        The template's text around a message's content is learned once per (role, name) and
+        reused, where the template renders the content verbatim (checked on SLOT_CHECKS); the
+        ids are always those of encoding the whole message text at once.
+        """
+        content = message.get("content")
+        # Empty contents are rendered in full: some templates leave them out altogether.
+        if set(message) <= {"role", "name", "content"} and isinstance(content, str) and content:
+            key = (str(message["role"]), message.get("name"))
+            if key not in self._message_texts:
+                self._message_texts[key] = self._learn_message_text(message)
+            around = self._message_texts[key]
+            if around is not None:
+                return self.encode(around[0] + content + around[1])
+        return self.encode(self._message_text(message))
+
+    def _message_text(self, message: dict[str, Any]) -> str:
         text = self.render([*PROBE_PREFIX, PROBE_ASSISTANT, message], add_generation_prompt=True)
         after_assistant = self._after_content(text)
         if not after_assistant.startswith(self.close_text):
             raise ChatTemplateError(
                 f"a {message['role']!r} message changes how the assistant turn before it is closed"
             )
-        return self.encode(after_assistant[len(self.close_text) :])
+        return after_assistant[len(self.close_text) :]
+
+    def _learn_message_text(self, message: dict[str, Any]) -> tuple[str, str] | None:
+        slotted = self._message_text({**message, "content": CONTENT_SLOT})
+        if slotted.count(CONTENT_SLOT) != 1:
+            return None
+        before, _, after = slotted.partition(CONTENT_SLOT)
+        for content in (*SLOT_CHECKS, message["content"]):
+            if before + content + after != self._message_text({**message, "content": content}):
+                return None
+        return before, after
 
     @staticmethod
     def _after_content(text: str) -> str:

@@ -56,7 +56,9 @@ def strip_reasoning(text: str) -> str:
 
 
 QWEN25_OPEN = "<tool_call>"
-QWEN25_BLOCK = re.compile(r"<tool_call>\n(.*?)\n?</tool_call>|<tool_call>\n(.*)$", re.DOTALL)
+QWEN25_BLOCK_OPEN = "<tool_call>\n"
+QWEN25_CLOSE = "</tool_call>"
+JSON_DECODER = json.JSONDecoder()
 
 
 @register("qwen25")
@@ -66,21 +68,36 @@ def parse_qwen25(text: str) -> ParsedTurn:
         return ParsedTurn(Action(RESPOND_ACTION_NAME, {"content": text}), text, 0)
     content = text[:start].strip()
     actions = []
-    for match in QWEN25_BLOCK.finditer(text, start):
-        body = match.group(1) if match.group(1) is not None else match.group(2)
-        action = _action_from_json(body)
+    position = text.find(QWEN25_BLOCK_OPEN, start)
+    while position >= 0:
+        body = position + len(QWEN25_BLOCK_OPEN)
+        action, end = _qwen25_block(text, body)
         if action is not None:
             actions.append(action)
+        position = text.find(QWEN25_BLOCK_OPEN, end)
     if not actions:
         raise ToolCallParseError(f"no parseable tool call in {text[start : start + 200]!r}")
     return ParsedTurn(actions[0], content, len(actions))
 
 
-def _action_from_json(body: str) -> Action | None:
+def _qwen25_block(text: str, body: int) -> tuple[Action | None, int]:
+    """The call of the block whose JSON starts at `body`, and where the block ends. The JSON is
+    read as JSON (so a `</tool_call>` inside a string is text, not the end of the block); it must
+    be followed by the closing tag or the end of the text. A malformed block is skipped whole."""
+    skip = text.find(QWEN25_CLOSE, body)
+    skip = len(text) if skip < 0 else skip + len(QWEN25_CLOSE)
     try:
-        call = json.loads(body.strip())
+        call, end = JSON_DECODER.raw_decode(text, len(text) - len(text[body:].lstrip()))
     except json.JSONDecodeError:
-        return None
+        return None, skip
+    rest = text[end:].lstrip()
+    if rest and not rest.startswith(QWEN25_CLOSE):
+        return None, skip
+    close = text.find(QWEN25_CLOSE, end)
+    return _action_from_call(call), len(text) if close < 0 else close + len(QWEN25_CLOSE)
+
+
+def _action_from_call(call: object) -> Action | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))

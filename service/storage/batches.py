@@ -1,25 +1,22 @@
-"""Batches as seen by the API: store a request with its queued episodes, and read them back.
-
-These functions take the caller's AsyncSession and only flush: the API owns the transaction, so
-a request and its episodes are enqueued atomically.
-"""
+"""Batches as the API sees them: store a request with its queued episodes, and read them back."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, insert, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer
 
-from service.storage.db import utcnow
-from service.storage.models import Batch, Episode, EpisodeStatus
-
-TOKEN_COLUMNS = (Episode.prompt_ids, Episode.response_ids, Episode.loss_mask, Episode.rollout_logprobs)
+from service.records import FINISHED_STATUSES, EpisodeRequest, EpisodeStatus, complete_groups
+from service.storage import blobs
+from service.storage.db import Database, utcnow
+from service.storage.models import TOKEN_COLUMNS, Batch, Episode
 
 
 @dataclass(frozen=True)
@@ -28,69 +25,105 @@ class NewEpisode:
 
     group_index: int
     sample_index: int
+    request: EpisodeRequest
+
+
+@dataclass(frozen=True)
+class NewBatch:
+    """A submitted request: its episodes and what is stored of the request itself."""
+
+    batch_id: str
+    # Hash of the normalized request: a resubmission with the same id and hash gets the same
+    # answer, with the same id and another hash a BatchConflict.
+    request_hash: str
     env: str
     task_split: str
-    task_index: int
-    sampling_params: dict[str, Any]
-    max_turns: int
-    max_response_tokens: int | None = None
+    metadata: dict[str, Any]
+    episodes: Sequence[NewEpisode]
+
+
+@dataclass(frozen=True)
+class Submission:
+    episode_ids: list[str]  # by group, then sample
+    created: bool  # False: the same request was stored before under this batch id
+
+
+class BatchConflict(Exception):
+    """The batch id is taken by a different request."""
 
 
 def new_episode_id() -> str:
     return uuid.uuid4().hex
 
 
-async def enqueue_batch(
-    session: AsyncSession,
-    *,
-    batch_id: str,
-    request_hash: str,
-    env: str,
-    task_split: str,
-    metadata: dict[str, Any],
-    episodes: Sequence[NewEpisode],
-    now: datetime | None = None,
-) -> Batch:
+async def enqueue_batch(session: AsyncSession, new: NewBatch, *, now: datetime | None = None) -> Batch:
     """Insert a batch and its episodes, queued, in the caller's transaction (flushed, not committed).
 
     A concurrent insert of the same batch id makes the flush (or the commit) raise
-    sqlalchemy.exc.IntegrityError: roll back, then get_batch and compare request hashes.
+    sqlalchemy.exc.IntegrityError.
     """
     now = now or utcnow()
     batch = Batch(
-        id=batch_id,
-        request_hash=request_hash,
-        env=env,
-        task_split=task_split,
-        metadata_=metadata,
+        id=new.batch_id,
+        request_hash=new.request_hash,
+        env=new.env,
+        task_split=new.task_split,
+        metadata_=new.metadata,
         created_at=now,
     )
     session.add(batch)
     await session.flush()
-    if episodes:
+    if new.episodes:
         await session.execute(
             insert(Episode),
             [
                 {
+                    **asdict(episode.request),
                     "id": new_episode_id(),
-                    "batch_id": batch_id,
+                    "batch_id": new.batch_id,
                     "group_index": episode.group_index,
                     "sample_index": episode.sample_index,
-                    "env": episode.env,
-                    "task_split": episode.task_split,
-                    "task_index": episode.task_index,
-                    "sampling_params": episode.sampling_params,
-                    "max_turns": episode.max_turns,
-                    "max_response_tokens": episode.max_response_tokens,
                     "status": EpisodeStatus.QUEUED.value,
                     "attempt": 0,
                     "failures": 0,
                     "created_at": now,
                 }
-                for episode in episodes
+                for episode in new.episodes
             ],
         )
     return batch
+
+
+async def submit_batch(database: Database, new: NewBatch) -> Submission:
+    """Store the batch and queue its episodes, in one transaction, unless the batch id exists.
+
+    Idempotent: a resubmission of the same request (even a concurrent one) answers the stored
+    episodes with created=False; a different request under a taken id raises BatchConflict.
+    """
+    insert_error: IntegrityError | None = None
+    try:
+        async with database.writer.begin() as session:
+            created = await session.get(Batch, new.batch_id) is None
+            if created:
+                await enqueue_batch(session, new)
+    except IntegrityError as error:  # a concurrent submission of the same batch id may have won
+        insert_error, created = error, False
+    async with database.reader() as session:
+        if not created:
+            stored = await session.get(Batch, new.batch_id)
+            if stored is None:
+                assert insert_error is not None
+                raise insert_error  # not a duplicate batch id: a real integrity failure
+            if stored.request_hash != new.request_hash:
+                raise BatchConflict(
+                    f"batch {new.batch_id!r} exists with a different request; use another batch_id"
+                )
+        episode_ids = await session.scalars(
+            select(Episode.id)
+            .where(Episode.batch_id == new.batch_id)
+            .order_by(Episode.group_index, Episode.sample_index)
+        )
+        return Submission(list(episode_ids), created)
 
 
 async def get_batch(session: AsyncSession, batch_id: str) -> Batch | None:
@@ -123,6 +156,13 @@ async def queue_depth(session: AsyncSession) -> int:
     return int(count or 0)
 
 
+async def batch_unfinished(database: Database, batch_id: str) -> int:
+    """How many episodes of the batch are queued or running (0 for an unknown batch)."""
+    async with database.reader() as session:
+        counts = await batch_status_counts(session, batch_id)
+    return sum(count for status, count in counts.items() if status not in FINISHED_STATUSES)
+
+
 async def load_batch_episodes(
     session: AsyncSession, batch_id: str, *, with_tokens: bool = True
 ) -> list[Episode]:
@@ -139,3 +179,61 @@ async def load_batch_episodes(
     if not with_tokens:
         statement = statement.options(*(defer(column, raiseload=True) for column in TOKEN_COLUMNS))
     return list(await session.scalars(statement))
+
+
+@dataclass(frozen=True)
+class StoredEpisode:
+    """A stored episode with its token counts (read without loading the token blobs)."""
+
+    episode: Episode
+    prompt_length: int | None
+    response_length: int | None
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """A batch as the trainer pulls it: its counts by status and the episodes of complete groups."""
+
+    batch: Batch
+    counts: dict[str, int]
+    episodes: list[StoredEpisode]  # complete groups only, by group then sample
+    groups_complete: int
+    groups_total: int
+
+
+async def read_batch(
+    database: Database, batch_id: str, *, tokens: bool, transcripts: bool
+) -> BatchView | None:
+    """The batch in one read transaction, or None if there is none. `tokens` and `transcripts`
+    load the token blobs and the messages and info; left out, touching them raises."""
+    statement = (
+        select(
+            Episode,
+            func.length(Episode.prompt_ids).label("prompt_bytes"),
+            func.length(Episode.response_ids).label("response_bytes"),
+        )
+        .where(Episode.batch_id == batch_id)
+        .order_by(Episode.group_index, Episode.sample_index)
+    )
+    deferred = ([] if tokens else list(TOKEN_COLUMNS)) + (
+        [] if transcripts else [Episode.messages, Episode.info]
+    )
+    statement = statement.options(*(defer(column, raiseload=True) for column in deferred))
+    async with database.reader() as session:
+        batch = await session.get(Batch, batch_id)
+        if batch is None:
+            return None
+        counts = await batch_status_counts(session, batch_id)
+        rows = (await session.execute(statement)).all()
+    groups = complete_groups((row.Episode.group_index, row.Episode.status) for row in rows)
+    episodes = [
+        StoredEpisode(row.Episode, _length(row.prompt_bytes), _length(row.response_bytes))
+        for row in rows
+        if row.Episode.group_index in groups
+    ]
+    total = len({row.Episode.group_index for row in rows})
+    return BatchView(batch, counts, episodes, groups_complete=len(groups), groups_total=total)
+
+
+def _length(id_bytes: int | None) -> int | None:
+    return None if id_bytes is None else id_bytes // blobs.ID_BYTES

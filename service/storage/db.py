@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, event
+from sqlalchemy import Connection, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.pool import NullPool
+
+from service.storage.writer import Writer
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 ALEMBIC_INI = REPO_DIR / "alembic.ini"
@@ -25,6 +27,7 @@ POSTGRES_POOL_SIZE = 10
 POSTGRES_MAX_OVERFLOW = 20
 POSTGRES_POOL_RECYCLE_SECONDS = 1800
 READ_ONLY_OPTION = "rollout_read_only"
+CHECK_TIMEOUT_SECONDS = 5.0  # a readiness check's wait for the database
 
 
 def utcnow() -> datetime:
@@ -106,29 +109,68 @@ def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
+class DatabaseStatus:
+    """What this process last saw of its database: liveness reads it from memory, never waiting
+    on a connection; the worker's own queries and readiness checks keep it current."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self.error: str | None = None
+
+    def ok(self) -> None:
+        self.seen, self.error = True, None
+
+    def failed(self, error: BaseException) -> None:
+        self.seen, self.error = True, f"{type(error).__name__}: {error}"[:300]
+
+    def describe(self) -> str:
+        if not self.seen:
+            return "unknown"
+        return "ok" if self.error is None else f"error: {self.error}"
+
+
 @dataclass(frozen=True)
 class Database:
     """An engine and its session makers, e.g. for the app's lifespan: `Database.open(url)`, then
     `await database.dispose()`. `reader` is for sessions that only read (on SQLite they do not
-    take the write lock); everything that writes uses `sessionmaker`."""
+    take the write lock); the service's writes go through `writer`."""
 
     url: str
     engine: AsyncEngine
     sessionmaker: async_sessionmaker[AsyncSession]
     reader: async_sessionmaker[AsyncSession]
+    writer: Writer  # the process's writes, on one connection, committed in groups
+    status: DatabaseStatus = field(default_factory=DatabaseStatus, compare=False)
 
     @classmethod
     def open(cls, url: str) -> Database:
         engine = make_engine(url)
         read_only = engine.execution_options(**{READ_ONLY_OPTION: True})
+        sessionmaker = make_sessionmaker(engine)
         return cls(
             url=url,
             engine=engine,
-            sessionmaker=make_sessionmaker(engine),
+            sessionmaker=sessionmaker,
             reader=make_sessionmaker(read_only),
+            writer=Writer(sessionmaker),
         )
 
+    async def check(self, timeout_seconds: float = CHECK_TIMEOUT_SECONDS) -> str:
+        """Asks the database (SELECT 1) and records the answer in `status`; returns it described."""
+        try:
+            async with asyncio.timeout(timeout_seconds):
+                async with self.reader() as session:
+                    await session.execute(text("SELECT 1"))
+        except TimeoutError:
+            self.status.failed(TimeoutError(f"no answer within {timeout_seconds:g} s"))
+        except Exception as error:  # any failure to reach the database is the answer, not a crash
+            self.status.failed(error)
+        else:
+            self.status.ok()
+        return self.status.describe()
+
     async def dispose(self) -> None:
+        await self.writer.aclose()
         await self.engine.dispose()
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,10 +23,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from service.loop.records import FINISHED_STATUSES, EpisodeStatus
+from service.records import EpisodeRequest, EpisodeStatus
 from service.storage import blobs
-
-__all__ = ["FINISHED_STATUSES", "Base", "Batch", "Episode", "EpisodeStatus", "EpisodeTokens"]
 
 # Explicit constraint names, so migrations can drop and alter them on every backend.
 NAMING_CONVENTION = {
@@ -111,6 +109,7 @@ class Episode(Base):
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
     group_index: Mapped[int] = mapped_column(Integer)  # index of the task in the request: a GRPO group
     sample_index: Mapped[int] = mapped_column(Integer)  # index of the sample within its group
+    # The EpisodeRequest, one column per field (see REQUEST_COLUMNS).
     env: Mapped[str] = mapped_column(String(128))
     task_split: Mapped[str] = mapped_column(String(64))
     task_index: Mapped[int] = mapped_column(Integer)
@@ -145,6 +144,9 @@ class Episode(Base):
 
     batch: Mapped[Batch] = relationship(back_populates="episodes", lazy="raise")
 
+    def request(self) -> EpisodeRequest:
+        return EpisodeRequest(**{field.name: getattr(self, field.name) for field in fields(EpisodeRequest)})
+
     def tokens(self) -> EpisodeTokens | None:
         """The decoded token arrays, or None when the episode stored none (unfinished, failed)."""
         if self.prompt_ids is None or self.response_ids is None:
@@ -155,3 +157,8 @@ class Episode(Base):
             loss_mask=blobs.decode_mask(self.loss_mask or b""),
             rollout_logprobs=blobs.decode_logprobs(self.rollout_logprobs or b""),
         )
+
+
+# The columns that hold an EpisodeRequest, named as its fields.
+REQUEST_COLUMNS = tuple(Episode.__table__.c[field.name] for field in fields(EpisodeRequest))
+TOKEN_COLUMNS = (Episode.prompt_ids, Episode.response_ids, Episode.loss_mask, Episode.rollout_logprobs)

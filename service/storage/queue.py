@@ -1,9 +1,9 @@
 """The episode queue as seen by workers: claim, renew, finish, release, and the lease sweep.
 
-Each function opens its own short transaction from the session maker, since jobs carry ids, not
-ORM objects. Ownership of a running episode is (lease_owner, attempt): a write that does not match
-both changes nothing, which is what makes a result stored exactly once although an episode whose
-worker lost its lease may run again elsewhere.
+Each function runs one short transaction of `sm` (the process's Writer, or a sessionmaker), since
+jobs carry ids, not ORM objects. Ownership of a running episode is (lease_owner, attempt): a write
+that does not match both changes nothing, which is what makes a result stored exactly once
+although an episode whose worker lost its lease may run again elsewhere.
 """
 
 from __future__ import annotations
@@ -13,18 +13,17 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, String, cast, literal, select, update
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy import ColumnElement, Row, String, cast, literal, select, update
 
-from service.loop.records import EpisodeSpec
+from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.storage import blobs
 from service.storage.db import utcnow
-from service.storage.models import FINISHED_STATUSES, Episode, EpisodeStatus
+from service.storage.models import REQUEST_COLUMNS, Episode
+from service.storage.writer import Transactions
 
 # Ids per `IN (...)` list: far below the bound-parameter limits of SQLite (32766) and asyncpg (32767).
 IN_LIST_CHUNK = 1000
 
-SessionMaker = async_sessionmaker[AsyncSession]
 _QUEUED = EpisodeStatus.QUEUED.value
 _RUNNING = EpisodeStatus.RUNNING.value
 # A re-queued episode runs again as a new attempt: attempt + 1 fences out the old lease holder.
@@ -39,83 +38,39 @@ _REQUEUED: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class ClaimedEpisode:
-    """What a worker needs to run an episode; `attempt` must be passed back to finish_episode."""
+    """An episode leased to a worker: what to run, and where the episode sits in its batch.
+    `spec.attempt` is the lease's fencing token: finish_episode needs it back."""
 
-    id: str
-    attempt: int
-    failures: int
-    env: str
-    task_split: str
-    task_index: int
-    sampling_params: dict[str, Any]
-    max_turns: int
-    max_response_tokens: int | None
+    spec: EpisodeSpec
     batch_id: str
     group_index: int
     sample_index: int
+    failures: int  # failed attempts before this one
 
-    def spec(self) -> EpisodeSpec:
-        return EpisodeSpec(
-            episode_id=self.id,
-            attempt=self.attempt,
-            env=self.env,
-            task_split=self.task_split,
-            task_index=self.task_index,
-            sampling_params=self.sampling_params,
-            max_turns=self.max_turns,
-            max_response_tokens=self.max_response_tokens,
-        )
+    @property
+    def id(self) -> str:
+        return self.spec.episode_id
+
+    @property
+    def attempt(self) -> int:
+        return self.spec.attempt
 
 
-@dataclass(frozen=True)
-class EpisodeOutcome:
-    """The result of one episode, written by finish_episode in one transaction.
-
-    Token arrays follow the trainer contract: len(response_ids) == len(loss_mask) ==
-    len(rollout_logprobs). Logprobs are stored as float64, exactly.
-    """
-
-    status: str
-    reward: float | None = None
-    prompt_ids: Sequence[int] | None = None
-    response_ids: Sequence[int] | None = None
-    loss_mask: Sequence[int] | None = None
-    rollout_logprobs: Sequence[float] | None = None
-    messages: list[Any] | None = None
-    info: dict[str, Any] | None = None
-    turns: list[Any] | None = None
-    error: str | None = None
-    num_turns: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.status not in FINISHED_STATUSES:
-            raise ValueError(f"an outcome needs a finished status, not {self.status!r}")
-        response = (self.response_ids, self.loss_mask, self.rollout_logprobs)
-        if any(array is not None for array in response):
-            if any(array is None for array in response):
-                raise ValueError("response_ids, loss_mask and rollout_logprobs go together")
-            lengths = {len(array) for array in response if array is not None}
-            if len(lengths) != 1:
-                raise ValueError(
-                    f"response_ids, loss_mask and rollout_logprobs differ in length: {sorted(lengths)}"
-                )
-
-    def column_values(self) -> dict[str, Any]:
-        return {
-            "status": EpisodeStatus(self.status).value,
-            "reward": self.reward,
-            "prompt_ids": None if self.prompt_ids is None else blobs.encode_ids(self.prompt_ids),
-            "response_ids": None if self.response_ids is None else blobs.encode_ids(self.response_ids),
-            "loss_mask": None if self.loss_mask is None else blobs.encode_mask(self.loss_mask),
-            "rollout_logprobs": (
-                None if self.rollout_logprobs is None else blobs.encode_logprobs(self.rollout_logprobs)
-            ),
-            "messages": self.messages,
-            "info": self.info,
-            "turns": self.turns,
-            "error": self.error,
-            "num_turns": self.num_turns,
-        }
+def _result_columns(result: EpisodeResult) -> dict[str, Any]:
+    tokens = result.has_tokens
+    return {
+        "status": result.status.value,
+        "reward": result.reward,
+        "prompt_ids": blobs.encode_ids(result.prompt_ids) if tokens else None,
+        "response_ids": blobs.encode_ids(result.response_ids) if tokens else None,
+        "loss_mask": blobs.encode_mask(result.loss_mask) if tokens else None,
+        "rollout_logprobs": blobs.encode_logprobs(result.rollout_logprobs) if tokens else None,
+        "messages": result.messages,
+        "info": result.info,
+        "turns": [turn.to_json() for turn in result.turns],
+        "error": result.error,
+        "num_turns": len(result.turns),
+    }
 
 
 def _chunks(ids: Sequence[str]) -> Iterator[Sequence[str]]:
@@ -127,20 +82,26 @@ _CLAIMED_COLUMNS = (
     Episode.id,
     Episode.attempt,
     Episode.failures,
-    Episode.env,
-    Episode.task_split,
-    Episode.task_index,
-    Episode.sampling_params,
-    Episode.max_turns,
-    Episode.max_response_tokens,
     Episode.batch_id,
     Episode.group_index,
     Episode.sample_index,
+    *REQUEST_COLUMNS,
 )
 
 
+def _claimed(row: Row[Any]) -> ClaimedEpisode:
+    request = EpisodeRequest(**{column.name: row._mapping[column.name] for column in REQUEST_COLUMNS})
+    return ClaimedEpisode(
+        spec=EpisodeSpec(row.id, row.attempt, request),
+        batch_id=row.batch_id,
+        group_index=row.group_index,
+        sample_index=row.sample_index,
+        failures=row.failures,
+    )
+
+
 async def claim_episodes(
-    sm: SessionMaker, worker_id: str, limit: int, lease_seconds: float, *, now: datetime | None = None
+    sm: Transactions, worker_id: str, limit: int, lease_seconds: float, *, now: datetime | None = None
 ) -> list[ClaimedEpisode]:
     """Lease up to `limit` queued episodes to `worker_id`, oldest first, groups in order.
 
@@ -176,12 +137,12 @@ async def claim_episodes(
             .returning(*_CLAIMED_COLUMNS)
             .execution_options(synchronize_session=False)
         )
-        claimed = {row.id: ClaimedEpisode(**row._asdict()) for row in rows}
+        claimed = {row.id: _claimed(row) for row in rows}
     return [claimed[episode_id] for episode_id in ids if episode_id in claimed]
 
 
 async def renew_leases(
-    sm: SessionMaker,
+    sm: Transactions,
     worker_id: str,
     episode_ids: Collection[str],
     lease_seconds: float,
@@ -208,7 +169,7 @@ async def renew_leases(
 
 
 async def requeue_expired(
-    sm: SessionMaker, max_attempts: int, *, spare_owner: str | None = None, now: datetime | None = None
+    sm: Transactions, max_attempts: int, *, spare_owner: str | None = None, now: datetime | None = None
 ) -> int:
     """Re-queue running episodes whose lease expired (their worker crashed or was killed), with
     attempt + 1 and failures + 1; an episode at `max_attempts` failures fails instead. Returns how
@@ -249,21 +210,21 @@ async def requeue_expired(
 
 
 async def finish_episode(
-    sm: SessionMaker,
+    sm: Transactions,
     worker_id: str,
     episode_id: str,
     attempt: int,
-    outcome: EpisodeOutcome,
+    result: EpisodeResult,
     *,
     now: datetime | None = None,
 ) -> bool:
-    """Store the outcome if the episode is still running under (`worker_id`, `attempt`).
+    """Store the result if the episode is still running under (`worker_id`, `attempt`).
 
     Returns False, writing nothing, when the lease was lost (re-queued, failed or released).
     """
     now = now or utcnow()
     async with sm.begin() as session:
-        result = await session.scalars(
+        stored = await session.scalars(
             update(Episode)
             .where(
                 Episode.id == episode_id,
@@ -271,15 +232,15 @@ async def finish_episode(
                 Episode.lease_owner == worker_id,
                 Episode.attempt == attempt,
             )
-            .values(**outcome.column_values(), lease_expires_at=None, finished_at=now)
+            .values(**_result_columns(result), lease_expires_at=None, finished_at=now)
             .returning(Episode.id)
             .execution_options(synchronize_session=False)
         )
-        return result.first() is not None
+        return stored.first() is not None
 
 
 async def release_episodes(
-    sm: SessionMaker,
+    sm: Transactions,
     worker_id: str,
     episode_ids: Collection[str] | None = None,
     *,

@@ -18,14 +18,14 @@ from typing import TypeVar
 
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, ProgrammingError
 from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.config import Settings
 from service.logs import EPISODE_LOG_FIELDS
-from service.loop.records import EpisodeResult
 from service.loop.runner import EpisodeRunner
+from service.records import EpisodeResult
 from service.storage import queue
-from service.storage.queue import ClaimedEpisode, EpisodeOutcome
+from service.storage.db import Database
+from service.storage.queue import ClaimedEpisode
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,14 +57,15 @@ class EpisodeWorker:
     def __init__(
         self,
         settings: Settings,
-        sessionmaker: async_sessionmaker[AsyncSession],
+        database: Database,
         runner: EpisodeRunner,
         *,
         on_finished: FinishedHook | None = None,
         worker_id: str | None = None,
     ) -> None:
         self.settings = settings
-        self.sessionmaker = sessionmaker
+        self.database = database
+        self.writes = database.writer
         self.runner = runner
         self.on_finished = on_finished
         self.worker_id = worker_id or new_worker_id()
@@ -109,7 +110,7 @@ class EpisodeWorker:
         for loop in self._loops[1:]:
             loop.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
-        released = await queue.release_episodes(self.sessionmaker, self.worker_id)
+        released = await queue.release_episodes(self.writes, self.worker_id)
         if released:
             logger.info("released %d unfinished episodes back to the queue", released)
 
@@ -120,9 +121,11 @@ class EpisodeWorker:
             if limit > 0:
                 try:
                     claimed = await queue.claim_episodes(
-                        self.sessionmaker, self.worker_id, limit, self.settings.lease_seconds
+                        self.writes, self.worker_id, limit, self.settings.lease_seconds
                     )
-                except DATABASE_ERRORS:
+                    self.database.status.ok()
+                except DATABASE_ERRORS as error:
+                    self.database.status.failed(error)
                     logger.exception("claiming episodes failed; retrying")
             for claim in claimed:
                 stale = self.running.get(claim.id)
@@ -149,7 +152,7 @@ class EpisodeWorker:
         )
         try:
             try:
-                result = await self.runner.run(claim.spec())
+                result = await self.runner.run(claim.spec)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # a bug in the loop must end this episode, not the worker
@@ -176,32 +179,19 @@ class EpisodeWorker:
             released = await self._with_retries(
                 claim,
                 lambda: queue.release_episodes(
-                    self.sessionmaker, self.worker_id, [claim.id], failed=True, attempt=claim.attempt
+                    self.writes, self.worker_id, [claim.id], failed=True, attempt=claim.attempt
                 ),
             )
             return bool(released)
-        outcome = EpisodeOutcome(
-            status=result.status.value,
-            reward=result.reward,
-            prompt_ids=result.prompt_ids,
-            response_ids=result.response_ids,
-            loss_mask=result.loss_mask,
-            rollout_logprobs=result.logprobs,
-            messages=result.messages,
-            info=result.info,
-            turns=[turn.to_json() for turn in result.turns],
-            error=result.error,
-            num_turns=len(result.turns),
-        )
 
-        def finish(outcome: EpisodeOutcome) -> Awaitable[bool]:
-            return queue.finish_episode(self.sessionmaker, self.worker_id, claim.id, claim.attempt, outcome)
+        def finish(result: EpisodeResult) -> Awaitable[bool]:
+            return queue.finish_episode(self.writes, self.worker_id, claim.id, claim.attempt, result)
 
         try:
-            stored = await self._with_retries(claim, lambda: finish(outcome))
+            stored = await self._with_retries(claim, lambda: finish(result))
         except PERMANENT_DATABASE_ERRORS as error:  # the result itself is refused: record why
             logger.error("episode %s: its result cannot be stored: %s", claim.id, error)
-            refused = EpisodeOutcome(status="failed", error=f"the result could not be stored: {error}"[:2000])
+            refused = EpisodeResult.failed(f"the result could not be stored: {error}"[:2000])
             stored = await self._with_retries(claim, lambda: finish(refused))
         if stored is False:
             logger.warning("episode %s attempt %d lost its lease; result discarded", claim.id, claim.attempt)
@@ -218,6 +208,7 @@ class EpisodeWorker:
             except PERMANENT_DATABASE_ERRORS:
                 raise
             except DATABASE_ERRORS as error:
+                self.database.status.failed(error)
                 delay = STORE_BACKOFF_SECONDS * 2**attempt
                 logger.warning("writing episode %s failed (%s); retry in %.1f s", claim.id, error, delay)
                 await asyncio.sleep(delay)
@@ -234,9 +225,11 @@ class EpisodeWorker:
                 continue
             try:
                 renewed = await queue.renew_leases(
-                    self.sessionmaker, self.worker_id, ids, self.settings.lease_seconds
+                    self.writes, self.worker_id, ids, self.settings.lease_seconds
                 )
-            except DATABASE_ERRORS:
+                self.database.status.ok()
+            except DATABASE_ERRORS as error:
+                self.database.status.failed(error)
                 logger.exception("renewing leases failed; retrying")
                 continue
             for episode_id in set(ids) - renewed:
@@ -250,15 +243,16 @@ class EpisodeWorker:
             try:
                 for episode_id, attempt in list(self._unstored.items()):  # a failed attempt each
                     await queue.release_episodes(
-                        self.sessionmaker, self.worker_id, [episode_id], failed=True, attempt=attempt
+                        self.writes, self.worker_id, [episode_id], failed=True, attempt=attempt
                     )
                     del self._unstored[episode_id]
                 count = await queue.requeue_expired(
-                    self.sessionmaker, self.settings.max_attempts, spare_owner=self.worker_id
+                    self.writes, self.settings.max_attempts, spare_owner=self.worker_id
                 )
                 if count:
                     logger.info("re-queued %d episodes whose lease expired", count)
                     self.wake()
-            except DATABASE_ERRORS:
+            except DATABASE_ERRORS as error:
+                self.database.status.failed(error)
                 logger.exception("sweeping expired leases failed; retrying")
             await asyncio.sleep(self.settings.sweep_interval_seconds)

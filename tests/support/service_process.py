@@ -18,14 +18,27 @@ from typing import Any
 import httpx
 from sqlalchemy import select
 
-from service.engine.sim import SimConfig, SimWorker, create_sim_app, serve_in_thread
+from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.storage.db import Database
 from service.storage.models import Episode
 
-REPO_DIR = Path(__file__).resolve().parents[1]
+REPO_DIR = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_SECONDS = 60.0
 POLL_SECONDS = 0.05
 FINISHED = {"completed", "truncated", "aborted", "failed"}
+# The settings the service runs with in subprocess tests, as environment variables (keyword
+# arguments of `service_process` override them): INFO logs, which the tests read; a short lease
+# and fast sweep and claim loops, so that recovery happens within a test's timeouts; one env
+# worker process.
+SERVICE_ENV: dict[str, object] = {
+    "api_keys": "",
+    "log_level": "INFO",
+    "lease_seconds": 5,
+    "sweep_interval_seconds": 0.5,
+    "claim_interval_seconds": 0.05,
+    "env_executor": "process",
+    "env_workers": 1,
+}
 
 
 def free_port() -> int:
@@ -96,17 +109,16 @@ class ServiceProcess:
 
 @asynccontextmanager
 async def service_process(
-    log_dir: Path, database_url: str, sglang_url: str, name: str = "service", **env: object
+    log_dir: Path, database_url: str, sglang_url: str, name: str = "service", **settings: object
 ) -> AsyncIterator[ServiceProcess]:
-    """Starts the service and waits for /health; always kills its process group on exit."""
+    """Starts the service with SERVICE_ENV updated by `settings` (lower-case setting names) and
+    waits for /health; always kills its process group on exit."""
     port = free_port()
     environment = {
         **os.environ,
         "DATABASE_URL": database_url,
         "SGLANG_URL": sglang_url,
-        "API_KEYS": "",
-        "LOG_LEVEL": "INFO",
-        **{key.upper(): str(value) for key, value in env.items()},
+        **{key.upper(): str(value) for key, value in (SERVICE_ENV | settings).items()},
     }
     log_path = log_dir / f"{name}-{port}.log"
     with log_path.open("wb") as log:

@@ -1,6 +1,6 @@
 """A simulated SGLang worker: the protocol of docs/sglang.md, played by an oracle of `builtin/shop`.
 
-The policy (sim_policy.py) decodes the ChatML prompt and plays the task's oracle plan with seeded
+The policy (policy.py) decodes the ChatML prompt and plays the task's oracle plan with seeded
 mistakes, returning token ids the way real sampling does. This module is the worker's state and
 HTTP surface. Used by the demo, the tests and the benchmarks; `main()` serves it with uvicorn.
 """
@@ -24,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from service.engine.sim_policy import PlannedOutput, SimConfig, SimTokens, episode_key, plan_output
+from service.records import rid_attempt_key
+from service.sim.policy import PlannedOutput, SimConfig, SimTokens, plan_output
 
 __all__ = ["SimConfig", "SimRequest", "SimWorker", "create_sim_app", "main", "serve_in_thread"]
 
@@ -200,7 +201,7 @@ class SimWorker:
                 self.tokens, self.config, request.input_ids, request.sampling_params, request.rid
             )
             if not queued:
-                key = episode_key(request.rid)
+                key = rid_attempt_key(request.rid)
                 cached = self._cached_tokens(key, request.input_ids)
                 self._prefix_cache[key] = request.input_ids + output.ids
                 while len(self._prefix_cache) > PREFIX_CACHE_ENTRIES:

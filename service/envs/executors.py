@@ -1,8 +1,8 @@
-"""One env worker process: it runs many calls at once on its own thread pool, over one pipe.
+"""The executors env calls run on, off the event loop: worker processes, or threads in this process.
 
-The parent sends (call_id, pickled (function, args)); the child runs each call on a thread and
-answers (call_id, ok, pickled result or EnvError). The payload is pickled apart from the envelope,
-so a call or result that does not (un)pickle fails only its own call, never the stream.
+tau-bench's reward computation is pure-Python CPU that holds the GIL for 0.3-0.75 s per episode, so
+env work is spread over N worker processes; its user simulator blocks for seconds on an HTTP call
+inside `step`, so each process runs calls on a pool of threads (THREADS_PER_WORKER of them).
 """
 
 from __future__ import annotations
@@ -12,97 +12,145 @@ import functools
 import itertools
 import logging
 import multiprocessing
-import os
 import pickle
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing.connection import Connection, wait
-from typing import Any, Final, TypeVar
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any, Final, Literal, Protocol, TypeVar, get_args
 
+from service.envs import child
 from service.envs.errors import EnvError, EnvHostClosed, EnvHostError, EnvWorkerCrashed, describe_exit
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+ExecutorKind = Literal["process", "thread"]
+EXECUTOR_KINDS: tuple[ExecutorKind, ...] = get_args(ExecutorKind)
+THREADS_PER_WORKER = 32  # concurrent env calls per worker: user-simulator turns wait on HTTP
+
 # Spawn, not fork (the parent runs threads and an event loop) nor forkserver (its server process
 # keeps the sys.path and os.environ of the moment it started; spawn children get the current ones).
 MP_START_METHOD: Final = "spawn"
-STOP = -1  # the call id of the message that tells the child to finish its calls and exit
 STOP_MARGIN_SECONDS = 1.0  # past the child's own drain time, before the parent terminates it
 KILL_WAIT_SECONDS = 2.0  # after SIGTERM (then SIGKILL), for the exit to be seen
 EXIT_CODE_WAIT_SECONDS = 1.0  # the pipe can report EOF just before the process can be reaped
 
 
-def _dumps(obj: object) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+class EnvExecutor(Protocol):
+    """Runs env calls (module-level functions of `service.envs.child`) off the event loop."""
+
+    @property
+    def crash(self) -> str | None:
+        """Why the executor died, once it did; it then takes no more calls."""
+
+    @property
+    def pid(self) -> int | None:
+        """The process the calls run in; None for this process."""
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Starts fn(*args); the future holds its result, or an EnvHostError (EnvError for an
+        exception of the call itself)."""
+
+    async def stop(self, grace_seconds: float) -> None:
+        """Takes no more calls and lets running ones finish for up to `grace_seconds`."""
 
 
-# ---- The child. ----
+@dataclass(eq=False)
+class EnvWorker:
+    """One worker slot's executor and the episodes pinned to it; a dead process is replaced, under a
+    new generation, at the next open."""
+
+    slot: int
+    generation: int
+    executor: EnvExecutor
+    sessions: int = 0  # episodes pinned here
+
+    @property
+    def name(self) -> str:
+        return worker_name(self.slot, self.generation)
 
 
-def serve(conn: Connection, threads: int) -> None:
-    """The worker process's main: runs the parent's calls on `threads` threads until it is told
-    to stop (then waits for running calls, up to the drain time sent) or the parent is gone."""
-    # Ctrl-C reaches the whole process group; the parent decides when its workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env-call")
-    send_lock = threading.Lock()
-    drain_seconds = 0.0
+def worker_name(slot: int, generation: int) -> str:
+    return f"env worker {slot}.{generation}"
 
-    def answer(call_id: int, future: Future[Any]) -> None:
-        if future.cancelled():
+
+def ignore_outcome(future: asyncio.Future[Any]) -> None:
+    """Done-callback of a call nobody awaits: its exception is expected, not to be logged."""
+    if not future.cancelled():
+        future.exception()
+
+
+# ---- Threads in this process. ----
+
+
+class EnvThreadPool:
+    """The thread executor: every worker slot shares one pool in this process. No crash isolation
+    and no CPU parallelism (the GIL); for tests and light environments."""
+
+    crash: str | None = None
+    pid: int | None = None
+
+    def __init__(self, threads: int) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env-call")
+        self._pending: set[asyncio.Future[Any]] = set()
+        self._stopping = False
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        if self._stopping:
+            raise EnvHostClosed("the env host is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+        self._executor.submit(fn, *args).add_done_callback(functools.partial(_settle, loop, future))
+        return future
+
+    async def stop(self, grace_seconds: float) -> None:
+        self._stopping = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._pending:
+            _, late = await asyncio.wait(set(self._pending), timeout=grace_seconds)
+            if late:
+                # Threads cannot be killed: they run on, and the interpreter waits for them at exit.
+                logger.warning(
+                    "%d env calls still running after %.0f s; leaving them", len(late), grace_seconds
+                )
+            for future in late:
+                future.set_exception(EnvHostClosed("the env host is closed"))
+
+
+def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[T], done: Future[T]) -> None:
+    """On the pool's thread: hands a finished call over to the event loop."""
+
+    def settle() -> None:
+        if future.done():
             return
-        error = future.exception()
-        try:
-            if error is None:
-                ok, payload = True, _dumps(future.result())
-            else:
-                ok, payload = False, _dumps(EnvError.from_exception(error))
-        except Exception as exc:  # a result that does not pickle (pickling may raise anything)
-            ok, payload = False, _dumps(EnvError.from_exception(exc))
-        message = _dumps((call_id, ok, payload))
-        with send_lock:
-            try:
-                conn.send_bytes(message)
-            except OSError:
-                pass  # the parent is gone; the receive loop sees EOF and stops
+        if done.cancelled():
+            future.set_exception(EnvHostClosed("the env host is closed"))
+        elif (error := done.exception()) is not None:
+            future.set_exception(error if isinstance(error, EnvHostError) else EnvError.from_exception(error))
+        else:
+            future.set_result(done.result())
 
-    while True:
-        try:
-            call_id, body = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            break
-        if call_id == STOP:
-            drain_seconds = body
-            break
-        pool.submit(_run, body).add_done_callback(functools.partial(answer, call_id))
-    pool.shutdown(wait=False, cancel_futures=True)
-    drain = threading.Thread(target=pool.shutdown, daemon=True)
-    drain.start()
-    drain.join(drain_seconds)
-    if drain.is_alive():
-        # A call that never returns (a hung user-simulator request) cannot be interrupted, and
-        # the interpreter would wait for its thread at exit.
-        os._exit(0)
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # the event loop is closed: nobody waits for this call any more
 
 
-def _run(body: bytes) -> Any:
-    fn, args = pickle.loads(body)
-    return fn(*args)
-
-
-# ---- The parent. ----
+# ---- A worker process (its main loop is `child.serve`). ----
 
 
 class WorkerProcess:
-    """The parent's handle on one worker process. `submit` sends a call and returns an asyncio
-    future; a reader thread settles the futures, and when the process dies fails every pending
-    one with EnvWorkerCrashed (pid and exit code in the message) and sets `crash`."""
+    """The parent's handle on one worker process, which runs many calls at once on its own thread
+    pool, over one pipe. `submit` sends a call and returns an asyncio future; a reader thread
+    settles the futures, and when the process dies fails every pending one with EnvWorkerCrashed
+    (pid and exit code in the message) and sets `crash`."""
 
     def __init__(self, name: str, threads: int, loop: asyncio.AbstractEventLoop) -> None:
         self.name = name
@@ -116,7 +164,7 @@ class WorkerProcess:
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         context = multiprocessing.get_context(MP_START_METHOD)
         self._conn, child_conn = context.Pipe()
-        self.process = context.Process(target=serve, args=(child_conn, threads), name=name, daemon=True)
+        self.process = context.Process(target=child.serve, args=(child_conn, threads), name=name, daemon=True)
         self.process.start()
         child_conn.close()
         self.pid: int | None = self.process.pid
@@ -130,20 +178,20 @@ class WorkerProcess:
         if self._stopping:
             raise EnvHostClosed("the env host is closed")
         try:
-            body = _dumps((fn, args))
+            body = child.dumps((fn, args))
         except Exception as exc:  # arguments that do not pickle (pickling may raise anything)
             raise EnvError.from_exception(exc) from exc
         call_id = next(self._ids)
         future: asyncio.Future[T] = self._loop.create_future()
         self._pending[call_id] = future
-        self._outbox.put(_dumps((call_id, body)))
+        self._outbox.put(child.dumps((call_id, body)))
         return future
 
     async def stop(self, grace_seconds: float) -> None:
         """Lets running calls finish for up to `grace_seconds`, then terminates the process."""
         if not self._stopping:
             self._stopping = True
-            self._outbox.put(_dumps((STOP, grace_seconds)))
+            self._outbox.put(child.dumps((child.STOP, grace_seconds)))
         if await self._wait_exit(grace_seconds + STOP_MARGIN_SECONDS):
             return
         logger.warning("%s did not stop within %.0f s; terminating it", self.name, grace_seconds)

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from service.engine.sim import SimWorker
+from service.sim.worker import SimWorker
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.engine.client import Generation
-from tests.tokenizer_helpers import chat_tokenizer
+from tests.support.tokenizer import chat_tokenizer
 
 
 def tool_call(name: str, **arguments: Any) -> str:

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 from service.config import TEST_TOKENIZER_DIR
 from service.envs.base import RESPOND_ACTION_NAME, Action
 from service.envs.builtin.shop import REASONS, oracle_plan, task_by_instruction
+from service.records import rid_attempt_key
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 TOOL_RESPONSE = "<tool_response>"
@@ -55,11 +56,6 @@ def parse_chatml(text: str) -> list[tuple[str, str, bool]]:
         content, closed, _ = rest.partition(IM_END)
         messages.append((header.strip(), content, bool(closed)))
     return messages
-
-
-def episode_key(rid: str) -> str:
-    """The episode part of a rid "<episode_id>:<attempt>:<turn>" (the whole rid otherwise)."""
-    return rid.rsplit(":", 1)[0] if rid.count(":") >= 2 else rid
 
 
 def render_action(action: Action) -> str:
@@ -163,7 +159,7 @@ def plan_output(
     tokens: SimTokens, config: SimConfig, prompt_ids: list[int], sampling_params: dict[str, Any], rid: str
 ) -> PlannedOutput:
     """The full (not aborted) output of one request, deterministic in the rid's episode and the prompt."""
-    key = episode_key(rid)
+    key = rid_attempt_key(rid)
     text, ramble = policy_reply(tokens.decode(prompt_ids, skip_special_tokens=False), key, config)
     max_new_tokens = int(sampling_params.get("max_new_tokens", 128))
     rng = random.Random(f"{config.seed}:{key}:{len(prompt_ids)}:sample")

@@ -1,0 +1,269 @@
+"""`serve --workers 1` against `serve --workers N`: what a machine's other cores add.
+
+Each run starts `python -m service serve --workers W` as a subprocess on a fresh database (a temp
+SQLite file, or a new PostgreSQL database), against one simulated SGLang worker (`python -m service
+sim-worker`, its own process, a fixed latency per /generate). It submits one batch of builtin/shop
+episodes to the port and long-polls it to completion, as a trainer does. Measured per run: wall time
+from submit to the completed batch, episodes/s and turns/s, the CPU of the service's process tree
+(parent, service processes, env workers) and of the simulated worker. Then the ratios N to 1.
+
+Run from the repo root:
+    .venv/bin/python bench/workers.py [--episodes 2000] [--latency 0.5] [--workers 2] [--database sqlite]
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+POSTGRES_HOST = os.environ.get("BENCH_POSTGRES_HOST", "postgres@127.0.0.1:5432")
+SHOP_TEST_TASKS = 50
+START_TIMEOUT_SECONDS = 120.0
+STOP_TIMEOUT_SECONDS = 60.0
+LONG_POLL_SECONDS = 300.0  # the service's MAX_LONG_POLL_SECONDS
+GOAL_RATIO = 1.7  # issue 10: 2 processes on 2 cores
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not healthy after {START_TIMEOUT_SECONDS} s")
+        time.sleep(0.2)
+
+
+def stop(process: subprocess.Popen[bytes]) -> int:
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(STOP_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return process.wait()
+
+
+def process_tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of `root` and its live descendants (Linux /proc)."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        parents[pid] = int(fields[1])
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sum(cpu.get(pid, 0.0) for pid in tree)
+
+
+@contextmanager
+def sim_worker(latency: float, log_dir: Path) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    log = log_dir / "sim.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service", "sim-worker", "--port", str(port), "--latency", str(latency)],
+            cwd=REPO, env={**os.environ, "LOG_LEVEL": "WARNING"}, stdout=out, stderr=out,
+            start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process, log)
+        yield url, process.pid
+    finally:
+        stop(process)
+
+
+@contextmanager
+def fresh_database(kind: str, tmp: Path) -> Iterator[str]:
+    """A new, empty database; `serve` migrates it (SQLite always, PostgreSQL with --migrate)."""
+    if kind == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp / f'bench-{uuid.uuid4().hex[:8]}.db'}"
+        return
+    name = f"bench_workers_{uuid.uuid4().hex[:12]}"
+    asyncio.run(postgres_admin(f"CREATE DATABASE {name}"))
+    try:
+        yield f"postgresql+asyncpg://{POSTGRES_HOST}/{name}"
+    finally:
+        asyncio.run(postgres_admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+async def postgres_admin(statement: str) -> None:
+    connection = await asyncpg.connect(f"postgresql://{POSTGRES_HOST}/postgres")
+    try:
+        await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
+def started_processes(log: Path) -> int:
+    return log.read_text(errors="replace").count('"message": "Application startup complete."')
+
+
+def run_once(
+    workers: int, episodes: int, sim_url: str, sim_pid: int, kind: str, tmp: Path, max_wall: float
+) -> dict[str, Any]:
+    samples = max(1, episodes // SHOP_TEST_TASKS)
+    tasks = min(episodes, SHOP_TEST_TASKS)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp / f"serve-{workers}-{port}.log"
+    with fresh_database(kind, tmp) as database_url, log.open("wb") as out:
+        bound = str(max(episodes, 2048))  # the command's totals: no bound below the batch
+        environment = {
+            **os.environ,
+            "DATABASE_URL": database_url,
+            "SGLANG_URL": sim_url,
+            "API_KEYS": "",
+            "LOG_LEVEL": "INFO",
+            "ENV_EXECUTOR": "thread",
+            "ENV_WORKERS": "2",
+            "MAX_RUNNING_EPISODES": bound,
+            "MAX_INFLIGHT_GENERATES": bound,
+        }
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--port", str(port), "--workers", str(workers),
+             "--migrate"],
+            cwd=REPO, env=environment, stdout=out, stderr=out, start_new_session=True,
+        )  # fmt: skip
+        try:
+            wait_healthy(url, process, log)
+            deadline = time.monotonic() + START_TIMEOUT_SECONDS
+            while started_processes(log) < workers:  # every process up before the clock starts
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise RuntimeError(f"{workers} processes did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.2)
+            load = os.getloadavg()[0]
+            cpu0, sim_cpu0 = process_tree_cpu_seconds(process.pid), process_tree_cpu_seconds(sim_pid)
+            started = time.perf_counter()
+            with httpx.Client(base_url=url, timeout=LONG_POLL_SECONDS + 60) as http:
+                response = http.post(
+                    "/episodes",
+                    json={
+                        "env": "builtin/shop",
+                        "task_split": "test",
+                        "task_indices": list(range(tasks)),
+                        "samples_per_task": samples,
+                        "sampling_params": {"temperature": 1.0, "max_new_tokens": 256},
+                        "max_turns": 12,
+                    },
+                )
+                response.raise_for_status()
+                batch_id = response.json()["batch_id"]
+                batch: dict[str, Any] = {"complete": False}
+                while not batch["complete"] and time.perf_counter() - started < max_wall:
+                    wait = min(LONG_POLL_SECONDS, max(0.1, max_wall - (time.perf_counter() - started)))
+                    polled = http.get(f"/batches/{batch_id}", params={"wait": wait})
+                    polled.raise_for_status()
+                    batch = polled.json()
+            wall = time.perf_counter() - started
+            cpu = process_tree_cpu_seconds(process.pid) - cpu0
+            sim_cpu = process_tree_cpu_seconds(sim_pid) - sim_cpu0
+        finally:
+            exit_code = stop(process)
+    turns = sum(episode["num_turns"] or 0 for episode in batch["episodes"])
+    return {
+        "workers": workers,
+        "episodes": tasks * samples,
+        "finished": batch["finished"],
+        "complete": batch["complete"],
+        "wall_s": round(wall, 2),
+        "episodes_per_s": round(batch["finished"] / wall, 2),
+        "turns": turns,
+        "turns_per_s": round(turns / wall, 1),
+        "service_cpu_s": round(cpu, 1),
+        "service_cpu_ms_per_turn": round(1e3 * cpu / max(turns, 1), 2),
+        "sim_cpu_s": round(sim_cpu, 1),
+        "statuses": {status: count for status, count in batch["counts"].items() if count},
+        "attempts": dict(Counter(str(episode["attempt"]) for episode in batch["episodes"])),
+        "load_1m_before": round(load, 2),
+        "exit_code": exit_code,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--episodes", type=int, default=2000)
+    parser.add_argument("--latency", type=float, default=0.5, help="seconds per /generate")
+    parser.add_argument("--workers", type=int, default=2, help="compared with 1")
+    parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument("--max-wall", type=float, default=600.0, help="stop waiting after this many seconds")
+    parser.add_argument("--quick", action="store_true", help="100 episodes, 0.05 s latency (smoke test)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.episodes, args.latency = 100, 0.05
+    measured_at = datetime.now(UTC).isoformat(timespec="seconds")
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-workers-") as tmp,
+        sim_worker(args.latency, Path(tmp)) as sim,
+    ):
+        runs = [
+            run_once(workers, args.episodes, *sim, args.database, Path(tmp), args.max_wall)
+            for workers in (1, args.workers)
+        ]
+    one, many = runs
+    result = {
+        "bench": "workers",
+        "measured_at": measured_at,
+        "database": args.database,
+        "latency_s": args.latency,
+        "cpus": os.cpu_count(),
+        "runs": runs,
+        "turns_per_s_ratio": round(many["turns_per_s"] / max(one["turns_per_s"], 1e-9), 2),
+        "episodes_per_s_ratio": round(many["episodes_per_s"] / max(one["episodes_per_s"], 1e-9), 2),
+        "goal_ratio": GOAL_RATIO,
+    }
+    for run in runs:
+        print(
+            f"--workers {run['workers']}: {run['finished']}/{run['episodes']} episodes in {run['wall_s']} s: "
+            f"{run['episodes_per_s']} episodes/s, {run['turns_per_s']} turns/s; service CPU "
+            f"{run['service_cpu_s']} s ({run['service_cpu_ms_per_turn']} ms a turn), sim {run['sim_cpu_s']} s"
+        )
+    print(f"ratio {args.workers} to 1: turns/s {result['turns_per_s_ratio']}x, episodes/s "
+          f"{result['episodes_per_s_ratio']}x (goal {GOAL_RATIO}x)")  # fmt: skip
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The core of the service: what an episode is asked to do, what it produces, and the request ids
+of its engine calls. Pure data, no I/O: storage, the API, the loop and metrics all build on it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+DEFAULT_MAX_NEW_TOKENS = 1024  # per turn, when sampling_params has none
+
+
+class EpisodeStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"  # the environment said done
+    TRUNCATED = "truncated"  # turn limit, a turn cut at max_new_tokens, or the response-token budget
+    ABORTED = "aborted"  # the engine aborted the request, an unparseable tool call, an env error
+    FAILED = "failed"  # infrastructure error after retries; `error` says which
+
+    @property
+    def finished(self) -> bool:
+        return self not in (EpisodeStatus.QUEUED, EpisodeStatus.RUNNING)
+
+
+FINISHED_STATUSES = frozenset(status for status in EpisodeStatus if status.finished)
+
+
+# ---- Request ids. A generate call's rid is "<episode_id>:<attempt>:<turn>", optionally with a
+# ".<suffix>" (a retried call). SGLang aborts by rid prefix: "<episode_id>:<attempt>:" reaches every
+# call of one attempt, and its closing colon keeps attempt 1 from matching attempt 10.
+
+
+def generate_rid(episode_id: str, attempt: int, turn: int) -> str:
+    return f"{episode_id}:{attempt}:{turn}"
+
+
+def attempt_rid_prefix(episode_id: str, attempt: int) -> str:
+    """The prefix of every rid of one attempt of an episode."""
+    return f"{episode_id}:{attempt}:"
+
+
+def rid_attempt_key(rid: str) -> str:
+    """The "<episode_id>:<attempt>" part of a rid: one attempt of one episode (the whole rid if not ours)."""
+    return rid.rsplit(":", 1)[0] if rid.count(":") >= 2 else rid
+
+
+@dataclass(frozen=True)
+class EpisodeRequest:
+    """What the trainer asked one episode to do: a sample of a task, as POST /episodes stored it."""
+
+    env: str
+    task_split: str
+    task_index: int
+    sampling_params: dict[str, Any]  # SGLang's sampling_params of every turn
+    max_turns: int
+    max_response_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """One attempt at running an episode: its request, under the episode's id and attempt."""
+
+    episode_id: str
+    attempt: int
+    request: EpisodeRequest
+
+    @property
+    def key(self) -> str:
+        """The attempt's "<episode_id>:<attempt>": names its env session and prefixes its engine calls."""
+        return f"{self.episode_id}:{self.attempt}"
+
+    def rid(self, turn: int) -> str:
+        return generate_rid(self.episode_id, self.attempt, turn)
+
+
+@dataclass
+class TurnRecord:
+    turn: int
+    weight_version: str | None
+    finish_reason: dict[str, Any]
+    output_tokens: int
+    engine_seconds: float
+    env_seconds: float = 0.0
+    action: str | None = None  # the tool called, "respond", or None when the turn ended the episode
+    has_logprobs: bool = True  # False: SGLang sent no logprobs; this turn's are placeholders (0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class EpisodeResult:
+    """A finished episode, as stored. Token arrays follow the trainer contract: len(response_ids) ==
+    len(loss_mask) == len(rollout_logprobs); logprobs are SGLang's, exactly (0.0 where not sampled).
+    An episode that never got its prompt (it failed first) has no token arrays at all."""
+
+    status: EpisodeStatus
+    reward: float | None
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    messages: list[dict[str, Any]]
+    info: dict[str, Any]
+    turns: list[TurnRecord] = field(default_factory=list)
+    error: str | None = None
+    # An infrastructure failure (engine unreachable, env worker crashed) that another attempt
+    # may not meet: the worker re-queues the episode while it has attempts left.
+    retryable: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.status.finished:
+            raise ValueError(f"a result needs a finished status, not {self.status.value!r}")
+        lengths = {len(self.response_ids), len(self.loss_mask), len(self.rollout_logprobs)}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"response_ids, loss_mask and rollout_logprobs differ in length: {sorted(lengths)}"
+            )
+
+    @property
+    def has_tokens(self) -> bool:
+        return bool(self.prompt_ids)
+
+    @classmethod
+    def failed(cls, error: str) -> EpisodeResult:
+        return cls(EpisodeStatus.FAILED, None, [], [], [], [], [], {}, error=error)
+
+
+def complete_groups(statuses: Iterable[tuple[int, str]]) -> set[int]:
+    """The groups, of (group_index, status) pairs, all of whose episodes have a final status: a
+    GRPO group reaches the trainer whole or not at all."""
+    unfinished: dict[int, bool] = defaultdict(bool)
+    for group, status in statuses:
+        unfinished[group] |= status not in FINISHED_STATUSES
+    return {group for group, pending in unfinished.items() if not pending}

@@ -1,0 +1,127 @@
+"""The process's one database writer: every write shares one connection and commits in groups.
+
+Thousands of episodes in flight each storing a result, renewing leases and claiming work would
+otherwise open as many write transactions at once: on SQLite they queue for the file's single
+write lock (`database is locked`, pool timeouts, late lease renewals), on PostgreSQL they fill the
+pool and each pays its own commit. Here a write is a block of statements run, one block at a time,
+inside the current group transaction (under a savepoint, so a refused block rolls back alone);
+the group commits WRITE_WINDOW_SECONDS after its first block, or at once when MAX_GROUP_BLOCKS
+joined it, and every block's caller returns once its group committed. Readers use their own
+connections and never wait behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Protocol
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+logger = logging.getLogger(__name__)
+
+WRITE_WINDOW_SECONDS = 0.005  # a group commits this long after its first block
+MAX_GROUP_BLOCKS = 512  # or as soon as this many blocks joined it
+
+
+class Transactions(Protocol):
+    """What the queue's writes run in: `async with transactions.begin() as session:`, committed
+    when the block ends (a sessionmaker, or the Writer)."""
+
+    def begin(self) -> AbstractAsyncContextManager[AsyncSession]: ...
+
+
+class _Group:
+    """One group transaction: its session, how many blocks ran in it, and its commit's outcome."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+        self.blocks = 0
+        self.full = asyncio.Event()
+        self.committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Callers read the outcome; if none is left to (all cancelled), it is not an error.
+        self.committed.add_done_callback(lambda future: future.cancelled() or future.exception())
+
+
+class Writer:
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker[AsyncSession],
+        *,
+        window_seconds: float = WRITE_WINDOW_SECONDS,
+        max_group_blocks: int = MAX_GROUP_BLOCKS,
+    ) -> None:
+        self._sessionmaker = sessionmaker
+        self._window_seconds = window_seconds
+        self._max_group_blocks = max_group_blocks
+        self._turn = asyncio.Lock()  # one block (or commit) at a time on the connection
+        self._group: _Group | None = None
+        self._commits: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @asynccontextmanager
+    async def begin(self) -> AsyncIterator[AsyncSession]:
+        """A block of writes; returns once they are committed (raises if the commit failed).
+        A block that raises is rolled back alone and its error is raised to its caller."""
+        async with self._turn:
+            if self._closed:
+                raise RuntimeError("the database writer is closed")
+            group = self._group
+            if group is None:
+                group = self._group = await self._open_group()
+            group.blocks += 1
+            if group.blocks >= self._max_group_blocks:
+                group.full.set()
+            async with group.session.begin_nested():
+                yield group.session
+        await asyncio.shield(group.committed)
+
+    async def _open_group(self) -> _Group:
+        session = self._sessionmaker()
+        try:
+            await session.begin()
+        except BaseException:
+            await session.close()
+            raise
+        group = _Group(session)
+        commit = asyncio.create_task(self._commit_after_window(group), name="database group commit")
+        self._commits.add(commit)
+        commit.add_done_callback(self._commits.discard)
+        return group
+
+    async def _commit_after_window(self, group: _Group) -> None:
+        try:
+            async with asyncio.timeout(self._window_seconds):
+                await group.full.wait()
+        except TimeoutError:
+            pass
+        await self._commit(group)
+
+    async def _commit(self, group: _Group) -> None:
+        async with self._turn:  # after the block under way, before any new one
+            if self._group is group:
+                self._group = None
+            try:
+                await group.session.commit()
+            except Exception as error:  # every block of the group failed with it: their callers retry
+                group.committed.set_exception(error)
+                await _rollback_quietly(group.session)
+            else:
+                group.committed.set_result(None)
+            finally:
+                await group.session.close()
+
+    async def aclose(self) -> None:
+        """Commits the group under way; later writes raise."""
+        self._closed = True
+        if self._commits:
+            await asyncio.gather(*self._commits, return_exceptions=True)
+
+
+async def _rollback_quietly(session: AsyncSession) -> None:
+    try:
+        await session.rollback()
+    except Exception:  # the connection is gone; closing the session discards it
+        logger.debug("rollback after a failed group commit failed", exc_info=True)

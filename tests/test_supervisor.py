@@ -1,0 +1,291 @@
+"""`serve --workers 2`: two service processes behind one port over one database. A batch submitted to
+that port runs on both, each episode once; SIGTERM to the parent drains both and exits 0; a process
+that dies is replaced; one that cannot start stops the service."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.__main__ import main
+from service.config import Settings
+from service.sim.worker import SimWorker
+from service.storage.db import Database
+from service.storage.models import Episode
+from service.supervisor import process_settings
+from tests.support.contract import assert_trainer_contract, sim_calls
+from tests.support.service_process import (
+    FINISHED,
+    REPO_DIR,
+    SERVICE_ENV,
+    ServiceProcess,
+    attempts_seen,
+    episodes_of,
+    free_port,
+    service_process,
+    simulated_sglang,
+    submission,
+    wait_batch_finished,
+    wait_for,
+)
+
+WORKERS = 2
+SETTINGS: dict[str, object] = {
+    "serve_workers": WORKERS,
+    "env_executor": "thread",
+    # The command's total, 4 per process: neither can claim a whole batch the moment it arrives.
+    "max_running_episodes": 8,
+}
+TASKS, SAMPLES = 12, 2
+START_TIMEOUT_SECONDS = 60.0
+MID_BATCH_TIMEOUT_SECONDS = 30.0
+FINISH_TIMEOUT_SECONDS = 60.0
+EXIT_MARGIN_SECONDS = 10.0  # uvicorn's shutdown in each process, interpreter exits, on a busy machine
+LEASE_SECONDS = 3  # a killed process's episodes are re-queued within about this long
+
+
+async def start_processes(service: ServiceProcess, count: int = WORKERS) -> list[int]:
+    """Waits until `count` service processes have started (their lifespans complete); their pids."""
+
+    async def started() -> bool:
+        return len(startup_pids(service)) >= count
+
+    await wait_for(started, START_TIMEOUT_SECONDS, f"{count} service processes to start")
+    return startup_pids(service)
+
+
+def startup_pids(service: ServiceProcess) -> list[int]:
+    return [
+        int(line["pid"]) for line in service.log_lines() if line["message"] == "Application startup complete."
+    ]
+
+
+def pid_of(worker_id: str) -> int:
+    return int(worker_id.rsplit(":", 2)[1])  # host:pid:uuid
+
+
+async def run_watching_owners(db: Database, batch_id: str) -> tuple[list[Episode], dict[str, set[str]]]:
+    """Waits for the batch to finish, noting the lease owner (worker id) of each episode seen running:
+    a finished episode's row no longer names it."""
+    owners: dict[str, set[str]] = defaultdict(set)
+
+    async def finished() -> bool:
+        episodes = await episodes_of(db, batch_id)
+        for episode in episodes:
+            if episode.status == "running" and episode.lease_owner is not None:
+                owners[episode.id].add(episode.lease_owner)
+        return all(episode.status in FINISHED for episode in episodes)
+
+    await wait_for(finished, FINISH_TIMEOUT_SECONDS, f"batch {batch_id} to finish")
+    return await episodes_of(db, batch_id), owners
+
+
+async def submit(url: str, batch_id: str, tasks: int = TASKS, samples: int = SAMPLES) -> list[str]:
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        response = await http.post("/episodes", json=submission(batch_id, tasks, samples))
+    assert response.status_code == 202, response.text
+    episode_ids: list[str] = response.json()["episode_ids"]
+    return episode_ids
+
+
+def assert_ran_once(sim: SimWorker, episode: Episode, attempt: int = 0) -> None:
+    assert episode.status in {"completed", "truncated", "aborted"}, (episode.id, episode.error)
+    assert episode.attempt == attempt and max(attempts_seen(sim, episode.id)) == attempt
+    tokens = episode.tokens()
+    assert tokens is not None
+    calls = sim_calls(sim, episode.id, attempt)
+    assert len(calls) == episode.num_turns > 0
+    # A turn sent twice (two processes running one attempt) would show as a duplicate rid.
+    rids = [r.rid for r in sim.requests if r.rid.startswith(f"{episode.id}:{attempt}:")]
+    assert len(rids) == len(set(rids)) == episode.num_turns
+    assert_trainer_contract(
+        tokens.prompt_ids, tokens.response_ids, tokens.loss_mask, tokens.rollout_logprobs, calls
+    )
+
+
+def messages_of(service: ServiceProcess, pid: int) -> list[str]:
+    return [line["message"] for line in service.log_lines() if line.get("pid") == pid]
+
+
+async def test_two_processes_share_one_port_and_run_each_episode_once(
+    database_url: str, db: Database, tmp_path: Path
+) -> None:
+    async with simulated_sglang(latency_seconds=0.1) as (sim, sglang_url):
+        async with service_process(tmp_path, database_url, sglang_url, "workers", **SETTINGS) as service:
+            children = await start_processes(service)
+            episode_ids = await submit(service.url, "shared")
+            episodes, owners = await run_watching_owners(db, "shared")
+            service.terminate()
+            assert await service.wait_exit(EXIT_MARGIN_SECONDS) == 0, service.log_tail()
+
+    assert len(set(children)) == WORKERS and service.pid not in children
+    assert [episode.id for episode in episodes] == episode_ids
+    for episode in episodes:
+        assert_ran_once(sim, episode)
+        assert len(owners[episode.id]) <= 1, owners[episode.id]  # one lease, never handed over
+    # Both processes ran episodes of the batch submitted to the one port.
+    assert {pid_of(owner) for seen in owners.values() for owner in seen} == set(children), owners
+    for pid in children:
+        assert "Application shutdown complete." in messages_of(service, pid)
+        assert f"service process {pid} stopped" in messages_of(service, service.pid)
+
+
+async def test_sigterm_to_the_parent_drains_every_process(
+    database_url: str, db: Database, tmp_path: Path
+) -> None:
+    shutdown_timeout = 1.0
+    async with simulated_sglang(latency_seconds=0.6) as (sim, sglang_url):
+        async with service_process(
+            tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=shutdown_timeout, **SETTINGS
+        ) as first:  # fmt: skip
+            children = await start_processes(first)
+            episode_ids = await submit(first.url, "drain", tasks=8)
+
+            async def mid_batch() -> bool:
+                # Both processes run episodes, one of which has 3+ turns (> the timeout) to go.
+                running = [e for e in await episodes_of(db, "drain") if e.status == "running"]
+                early = {r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":1")} - {
+                    r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":2")
+                }
+                owners = {pid_of(e.lease_owner) for e in running if e.lease_owner is not None}
+                return owners == set(children) and any(e.id in early for e in running)
+
+            await wait_for(mid_batch, MID_BATCH_TIMEOUT_SECONDS, "both processes to be mid-batch")
+            first.terminate()
+            started = time.monotonic()
+            assert await first.wait_exit(shutdown_timeout + EXIT_MARGIN_SECONDS) == 0, first.log_tail()
+            assert time.monotonic() - started >= shutdown_timeout  # it drained
+
+        after = await episodes_of(db, "drain")
+        assert not any(episode.status == "running" for episode in after)
+        released = {e.id for e in after if e.status == "queued" and e.attempt == 1}
+        assert released, "every episode finished within the shutdown timeout: make them longer"
+        for episode in after:
+            if episode.status == "queued":
+                assert episode.lease_owner is None and episode.lease_expires_at is None
+        for pid in children:
+            messages = messages_of(first, pid)
+            assert "Application shutdown complete." in messages and "draining " in "".join(messages)
+
+        # Nothing was lost: another `serve --workers 2` finishes the batch, each episode once.
+        async with service_process(tmp_path, database_url, sglang_url, "second", **SETTINGS):
+            episodes = await wait_batch_finished(db, "drain", FINISH_TIMEOUT_SECONDS)
+
+    assert [episode.id for episode in episodes] == episode_ids
+    for episode in episodes:
+        assert_ran_once(sim, episode, attempt=1 if episode.id in released else 0)
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+async def test_a_process_that_dies_is_replaced_and_its_episodes_rerun(
+    database_url: str, db: Database, tmp_path: Path
+) -> None:
+    async with simulated_sglang(latency_seconds=0.3) as (sim, sglang_url):
+        async with service_process(
+            tmp_path, database_url, sglang_url, "workers", lease_seconds=LEASE_SECONDS, **SETTINGS
+        ) as service:
+            children = await start_processes(service)
+            episode_ids = await submit(service.url, "crash", tasks=8)
+            victim = children[0]
+
+            async def victim_running() -> bool:
+                episodes = await episodes_of(db, "crash")
+                return any(e.lease_owner and pid_of(e.lease_owner) == victim for e in episodes)
+
+            await wait_for(victim_running, MID_BATCH_TIMEOUT_SECONDS, "the victim to run episodes")
+            os.kill(victim, signal.SIGKILL)
+            reported = f"service process {victim} exited unexpectedly (exit code -9); starting another"
+
+            async def reaped() -> bool:
+                return reported in messages_of(service, service.pid)
+
+            await wait_for(reaped, MID_BATCH_TIMEOUT_SECONDS, "the parent to report the death")
+            # What the victim left running, before its leases expire and another process re-queues it.
+            interrupted = {
+                e.id
+                for e in await episodes_of(db, "crash")
+                if e.status == "running" and e.lease_owner and pid_of(e.lease_owner) == victim
+            }
+            replacement = (await start_processes(service, WORKERS + 1))[-1]
+            episodes = await wait_batch_finished(db, "crash", FINISH_TIMEOUT_SECONDS)
+            service.terminate()
+            assert await service.wait_exit(EXIT_MARGIN_SECONDS) == 0, service.log_tail()
+
+    assert interrupted and replacement not in children
+    assert f"service process {replacement} started" in messages_of(service, service.pid)
+    assert [episode.id for episode in episodes] == episode_ids
+    for episode in episodes:
+        # The victim's episodes were re-queued when their lease expired and ran again, once.
+        assert_ran_once(sim, episode, attempt=1 if episode.id in interrupted else 0)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+async def test_processes_drain_and_exit_when_the_parent_dies(database_url: str, tmp_path: Path) -> None:
+    async with simulated_sglang(latency_seconds=0.05) as (_, sglang_url):
+        async with service_process(tmp_path, database_url, sglang_url, "workers", **SETTINGS) as service:
+            children = await start_processes(service)
+            os.kill(service.pid, signal.SIGKILL)  # the parent only: nobody is left to stop them
+
+            async def orphans_gone() -> bool:
+                return not any(alive(pid) for pid in children)
+
+            await wait_for(orphans_gone, EXIT_MARGIN_SECONDS, "the orphaned processes to exit")
+    for pid in children:
+        messages = messages_of(service, pid)
+        assert f"the supervisor {service.pid} died: draining" in messages
+        assert "Application shutdown complete." in messages
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+async def test_a_process_that_cannot_start_stops_the_service(database_url: str, tmp_path: Path) -> None:
+    environment = {
+        **os.environ,
+        **{key.upper(): str(value) for key, value in (SERVICE_ENV | SETTINGS).items()},
+        "DATABASE_URL": database_url,
+        "TOKENIZER_PATH": str(tmp_path / "no-tokenizer-here"),
+    }
+    log_path = tmp_path / "service.log"
+    with log_path.open("wb") as log:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "service", "serve", "--port", str(free_port()),
+            cwd=REPO_DIR, env=environment, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        exit_code = await asyncio.wait_for(process.wait(), START_TIMEOUT_SECONDS)
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+    assert exit_code == 3, log_path.read_text()  # uvicorn's STARTUP_FAILURE, as a single process exits
+    assert "failed to start; stopping the others" in log_path.read_text()
+
+
+def test_the_concurrency_bounds_are_the_commands_shared_among_its_processes() -> None:
+    settings = Settings(max_running_episodes=2048, max_inflight_generates=511, env_workers=1, serve_workers=3)
+    each = process_settings(settings, 3)
+    assert (each.max_running_episodes, each.max_inflight_generates, each.env_workers) == (683, 171, 1)
+    assert each.serve_workers == 1 and each.database_url == settings.database_url
+    assert process_settings(settings, 1).max_running_episodes == 2048
+
+
+def test_workers_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--workers", "0"])
+    assert exit_.value.code == 2 and "--workers must be at least 1" in capsys.readouterr().err

@@ -1,0 +1,125 @@
+"""The process's one database writer, on both backends: group commits on one connection, a refused
+block rolled back alone, and a caller that returns only once its writes are committed."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from sqlalchemy import event, func, select, update
+from sqlalchemy.exc import IntegrityError
+
+from service.records import EpisodeRequest
+from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
+from service.storage.db import Database
+from service.storage.models import Batch, Episode
+from service.storage.writer import Writer
+
+
+def new_batch(episodes: int = 1) -> NewBatch:
+    request = EpisodeRequest("builtin/shop", "test", 0, {}, max_turns=1)
+    return NewBatch(
+        batch_id=f"b-{uuid.uuid4().hex[:8]}",
+        request_hash="h",
+        env="builtin/shop",
+        task_split="test",
+        metadata={},
+        episodes=[NewEpisode(index, 0, request) for index in range(episodes)],
+    )
+
+
+async def batches_stored(db: Database) -> int:
+    async with db.reader() as session:
+        return int(await session.scalar(select(func.count()).select_from(Batch)) or 0)
+
+
+async def test_concurrent_writes_share_one_connection_and_few_commits(db: Database) -> None:
+    connections: set[int] = set()
+    commits = 0
+
+    def on_checkout(dbapi_connection: object, record: object, proxy: object) -> None:
+        connections.add(id(dbapi_connection))
+
+    def on_commit(connection: object) -> None:
+        nonlocal commits
+        commits += 1
+
+    event.listen(db.engine.sync_engine, "checkout", on_checkout)
+    event.listen(db.engine.sync_engine, "commit", on_commit)
+    writer = Writer(db.sessionmaker, window_seconds=0.05)
+    try:
+
+        async def write() -> None:
+            async with writer.begin() as session:
+                await enqueue_batch(session, new_batch())
+
+        await asyncio.gather(*(write() for _ in range(100)))
+    finally:
+        await writer.aclose()
+        event.remove(db.engine.sync_engine, "checkout", on_checkout)
+        event.remove(db.engine.sync_engine, "commit", on_commit)
+    assert await batches_stored(db) == 100
+    assert len(connections) == 1
+    assert 1 <= commits <= 10  # 100 writes in a handful of group commits
+
+
+async def test_a_refused_block_rolls_back_alone(db: Database) -> None:
+    writer = Writer(db.sessionmaker, window_seconds=0.05)
+    taken = new_batch()
+    try:
+        async with writer.begin() as session:
+            await enqueue_batch(session, taken)
+
+        async def good() -> None:
+            async with writer.begin() as session:
+                await enqueue_batch(session, new_batch(episodes=3))
+
+        async def duplicate() -> None:
+            async with writer.begin() as session:
+                await enqueue_batch(session, taken)
+
+        outcomes = await asyncio.gather(good(), duplicate(), good(), return_exceptions=True)
+    finally:
+        await writer.aclose()
+    assert outcomes[0] is None and outcomes[2] is None
+    assert isinstance(outcomes[1], IntegrityError)
+    assert await batches_stored(db) == 3
+    async with db.reader() as session:
+        assert await session.scalar(select(func.count()).select_from(Episode)) == 7
+
+
+async def test_a_block_that_raises_writes_nothing(db: Database) -> None:
+    writer = Writer(db.sessionmaker)
+    try:
+        with pytest.raises(ValueError, match="changed my mind"):
+            async with writer.begin() as session:
+                await enqueue_batch(session, new_batch())
+                raise ValueError("changed my mind")
+    finally:
+        await writer.aclose()
+    assert await batches_stored(db) == 0
+
+
+async def test_a_write_is_committed_when_its_block_returns(db: Database) -> None:
+    writer = Writer(db.sessionmaker, window_seconds=0.2)
+    try:
+        batch = new_batch()
+        async with writer.begin() as session:
+            await enqueue_batch(session, batch)
+        async with db.reader() as session:  # another connection sees it at once
+            assert await session.get(Batch, batch.batch_id) is not None
+        async with writer.begin() as session:
+            await session.execute(update(Batch).where(Batch.id == batch.batch_id).values(env="other"))
+        async with db.reader() as session:
+            assert await session.scalar(select(Batch.env).where(Batch.id == batch.batch_id)) == "other"
+    finally:
+        await writer.aclose()
+
+
+async def test_a_closed_writer_refuses_writes(db: Database) -> None:
+    writer = Writer(db.sessionmaker)
+    await writer.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        async with writer.begin():
+            pass

@@ -5,7 +5,8 @@ SQLite file, or a new PostgreSQL database), against one simulated SGLang worker 
 sim-worker`, its own process, a fixed latency per /generate). It submits one batch of builtin/shop
 episodes to the port and long-polls it to completion, as a trainer does. Measured per run: wall time
 from submit to the completed batch, episodes/s and turns/s, the CPU of the service's process tree
-(parent, service processes, env workers) and of the simulated worker. Then the ratios N to 1.
+(parent, service processes, env workers), of the simulated worker, and of the whole machine (the
+simulated worker shares its cores, and so may other people's work). Then the ratios N to 1.
 
 Run from the repo root:
     .venv/bin/python bench/workers.py [--episodes 2000] [--latency 0.5] [--workers 2] [--database sqlite]
@@ -20,6 +21,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -92,6 +94,12 @@ def process_tree_cpu_seconds(root: int) -> float:
         tree |= more
         grew = bool(more)
     return sum(cpu.get(pid, 0.0) for pid in tree)
+
+
+def machine_cpu_seconds() -> float:
+    """Busy CPU seconds of the whole machine so far, all cores (/proc/stat: not idle nor iowait)."""
+    ticks = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager
@@ -173,6 +181,7 @@ def run_once(
                 time.sleep(0.2)
             load = os.getloadavg()[0]
             cpu0, sim_cpu0 = process_tree_cpu_seconds(process.pid), process_tree_cpu_seconds(sim_pid)
+            machine_cpu0 = machine_cpu_seconds()
             started = time.perf_counter()
             with httpx.Client(base_url=url, timeout=LONG_POLL_SECONDS + 60) as http:
                 response = http.post(
@@ -197,6 +206,7 @@ def run_once(
             wall = time.perf_counter() - started
             cpu = process_tree_cpu_seconds(process.pid) - cpu0
             sim_cpu = process_tree_cpu_seconds(sim_pid) - sim_cpu0
+            machine_cpu = machine_cpu_seconds() - machine_cpu0
         finally:
             exit_code = stop(process)
     turns = sum(episode["num_turns"] or 0 for episode in batch["episodes"])
@@ -212,6 +222,9 @@ def run_once(
         "service_cpu_s": round(cpu, 1),
         "service_cpu_ms_per_turn": round(1e3 * cpu / max(turns, 1), 2),
         "sim_cpu_s": round(sim_cpu, 1),
+        # Cores busy on average, and how many of them ran other people's work (a shared machine).
+        "machine_busy_cores": round(machine_cpu / wall, 2),
+        "others_busy_cores": round(max(0.0, machine_cpu - cpu - sim_cpu) / wall, 2),
         "statuses": {status: count for status, count in batch["counts"].items() if count},
         "attempts": dict(Counter(str(episode["attempt"]) for episode in batch["episodes"])),
         "load_1m_before": round(load, 2),
@@ -228,6 +241,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--workers", type=int, default=2, help="compared with 1")
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--max-wall", type=float, default=600.0, help="stop waiting after this many seconds")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="1 then N, this many times; ratios of the medians"
+    )
     parser.add_argument("--quick", action="store_true", help="100 episodes, 0.05 s latency (smoke test)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -239,25 +255,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ):
         runs = [
             run_once(workers, args.episodes, *sim, args.database, Path(tmp), args.max_wall)
+            for _ in range(args.rounds)
             for workers in (1, args.workers)
         ]
-    one, many = runs
-    result = {
+
+    def median_of(workers: int, key: str) -> float:
+        return float(statistics.median(run[key] for run in runs if run["workers"] == workers))
+
+    result: dict[str, Any] = {
         "bench": "workers",
         "measured_at": measured_at,
         "database": args.database,
         "latency_s": args.latency,
         "cpus": os.cpu_count(),
         "runs": runs,
-        "turns_per_s_ratio": round(many["turns_per_s"] / max(one["turns_per_s"], 1e-9), 2),
-        "episodes_per_s_ratio": round(many["episodes_per_s"] / max(one["episodes_per_s"], 1e-9), 2),
         "goal_ratio": GOAL_RATIO,
     }
+    for key in ("turns_per_s", "episodes_per_s"):
+        result[f"{key}_ratio"] = round(median_of(args.workers, key) / max(median_of(1, key), 1e-9), 2)
     for run in runs:
         print(
             f"--workers {run['workers']}: {run['finished']}/{run['episodes']} episodes in {run['wall_s']} s: "
             f"{run['episodes_per_s']} episodes/s, {run['turns_per_s']} turns/s; service CPU "
-            f"{run['service_cpu_s']} s ({run['service_cpu_ms_per_turn']} ms a turn), sim {run['sim_cpu_s']} s"
+            f"{run['service_cpu_s']} s ({run['service_cpu_ms_per_turn']} ms a turn), sim "
+            f"{run['sim_cpu_s']} s; cores busy {run['machine_busy_cores']}, {run['others_busy_cores']} other"
         )
     print(f"ratio {args.workers} to 1: turns/s {result['turns_per_s_ratio']}x, episodes/s "
           f"{result['episodes_per_s_ratio']}x (goal {GOAL_RATIO}x)")  # fmt: skip

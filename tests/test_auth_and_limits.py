@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from service.app import create_app
-from service.sim.worker import SimWorker
 from service.serving import serve_app
+from service.sim.worker import SimWorker
 from tests.conftest import service_settings
 
 SQLITE_ONLY = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # auth is not about storage

@@ -19,8 +19,8 @@ from transformers import AutoTokenizer
 
 from service.config import TEST_TOKENIZER_DIR
 from service.engine.client import EngineRequestError, SGLangClient
-from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
+from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from tests.support.polling import until
 
 ROUTER_START_TIMEOUT_SECONDS = 60.0

@@ -1,6 +1,6 @@
 """`serve --workers 2`: two service processes behind one port over one database. A batch submitted to
 that port runs on both, each episode once; SIGTERM to the parent drains both and exits 0; a process
-that dies is replaced; one that cannot start stops the service."""
+that dies is replaced; one that cannot start stops the service; if the parent dies, they drain."""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ def test_a_learned_message_text_gives_the_ids_of_a_full_render(variant: str) -> 
 
 
 def test_a_template_that_trims_contents_is_rendered_in_full() -> None:
-    tokenizer = load_test_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))  # its own: the template changes
     tokenizer.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -36,7 +36,7 @@ ABORT_WORKERS_TTL_SECONDS = 10.0
 
 
 def make_control_client(timeout_seconds: float) -> httpx.AsyncClient:
-    """The client of control calls (abort, pause, workers, health): few, off the hot path."""
+    """The client of the engine's own questions (the router's workers, health): off the hot path."""
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout_seconds, connect=CONNECT_TIMEOUT_SECONDS))
 
 
@@ -209,7 +209,8 @@ def generate_body(input_ids_json: str, sampling_params_json: str, rid: str) -> b
 class SGLangClient:
     """Calls one SGLang worker or the SGLang router.
 
-    `http` carries control calls; `/generate` goes over `transport` (default: `http` too).
+    `/generate` and control calls (abort, pause) go over `transport`; `http` (also the default
+    transport) asks the router for its workers and the engine for its health.
     """
 
     def __init__(
@@ -235,6 +236,7 @@ class SGLangClient:
         self._timeout_seconds = timeout_seconds
         self._worker_urls = [url.rstrip("/") for url in worker_urls or []]
         self._abort_workers: tuple[float, list[str]] | None = None  # (when listed, urls)
+        self._abort_workers_lock = asyncio.Lock()
 
     @property
     def inflight(self) -> int:
@@ -298,13 +300,19 @@ class SGLangClient:
 
     async def abort(self, rid: str) -> None:
         """Aborts `rid` (and every rid it prefixes) on each worker; the router does not proxy aborts."""
-        now = time.monotonic()
-        if self._abort_workers is None or now - self._abort_workers[0] > ABORT_WORKERS_TTL_SECONDS:
-            self._abort_workers = (now, await self.workers())
         body = {"rid": rid, "abort_all": False}
-        for url, problem in (await self.control("/abort_request", body, self._abort_workers[1])).items():
+        for url, problem in (await self.control("/abort_request", body, await self._abort_targets())).items():
             if problem is not None:
                 logger.warning("abort %s at %s: %s", rid, url, problem)
+
+    async def _abort_targets(self) -> list[str]:
+        """The workers, as listed at most ABORT_WORKERS_TTL_SECONDS ago; one listing at a time,
+        however many aborts wait for it (a dropped connection can abort hundreds at once)."""
+        async with self._abort_workers_lock:
+            listed = self._abort_workers
+            if listed is None or time.monotonic() - listed[0] > ABORT_WORKERS_TTL_SECONDS:
+                listed = self._abort_workers = (time.monotonic(), await self.workers())
+            return listed[1]
 
     async def control(
         self, path: str, body: dict[str, Any], urls: list[str] | None = None
@@ -317,12 +325,13 @@ class SGLangClient:
         return dict(zip(urls, results, strict=True))
 
     async def _control_post(self, url: str, body: dict[str, Any]) -> str | None:
+        # Over the generate transport: aborts come in bursts, at the cost of a bare request each.
         try:
-            response = await self._http.post(url, json=body, timeout=CONTROL_TIMEOUT_SECONDS)
-        except httpx.TransportError as error:
-            return f"{type(error).__name__}: {error}"
-        if response.is_error:
-            return f"HTTP {response.status_code}: {_error_message(response.status_code, response.content)}"
+            reply = await self._transport.post(url, orjson.dumps(body), CONTROL_TIMEOUT_SECONDS)
+        except TransportFailure as failure:
+            return failure.reason
+        if reply.status >= 400:
+            return f"HTTP {reply.status}: {_error_message(reply.status, reply.body)}"
         return None
 
     async def workers(self) -> list[str]:

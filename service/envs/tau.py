@@ -6,6 +6,7 @@ inside the env worker that builds an episode's environment.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 from typing import Any
@@ -21,7 +22,10 @@ TAU_DOMAINS = ("retail", "airline")
 @functools.cache
 def _user_sim_client() -> httpx.Client:
     # One connection pool per env worker process, shared by its episodes (httpx.Client is thread-safe).
-    return httpx.Client(timeout=USER_SIM_TIMEOUT_SECONDS)
+    # Closed at exit: else the interpreter frees its kept-alive socket unclosed (a ResourceWarning).
+    client = httpx.Client(timeout=USER_SIM_TIMEOUT_SECONDS)
+    atexit.register(client.close)
+    return client
 
 
 def _import_get_env() -> Any:

@@ -10,6 +10,7 @@ costs what its new message costs, not what the conversation costs.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 # (some templates skip empty contents) and must not look like template syntax.
 PROBE_PREFIX = [{"role": "system", "content": "PROBE_SYSTEM"}, {"role": "user", "content": "PROBE_USER"}]
 PROBE_ASSISTANT = {"role": "assistant", "content": "PROBE_ASSISTANT"}
+PROMPT_CACHE_SIZE = 4096  # prompts kept: a batch's tasks (each a GRPO group), with room to spare
 # Stands in for a message's content when its template text is learned (see message_ids).
 CONTENT_SLOT = "PROBE_CONTENT_SLOT"
 # Contents a learned template text must render exactly as the template does, or it is not used.
@@ -44,6 +46,8 @@ class _FastTokenizer(Protocol):
     """A `tokenizers.Tokenizer` (a fast HF tokenizer's backend_tokenizer)."""
 
     def encode(self, sequence: str, add_special_tokens: bool = ...) -> Any: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 @dataclass
@@ -103,6 +107,7 @@ class ChatTokenizer:
         # (role, name) -> the text around a message's content, or None where the template does
         # not render the content verbatim (it trims or escapes it): see message_ids.
         self._message_texts: dict[tuple[str, str | None], tuple[str, str] | None] = {}
+        self._prompts: dict[tuple[str, str, str], list[int]] = {}  # see prompt_ids
         # Only what follows the assistant's content is taken from the template: thinking templates
         # (Qwen3) render the text before it differently once later messages exist, but never
         # the text after it, and the model has already seen and sampled everything before it.
@@ -149,7 +154,7 @@ class ChatTokenizer:
     @staticmethod
     def _checked_backend(tokenizer: HFTokenizer) -> _FastTokenizer | None:
         """The `tokenizers` backend of a fast tokenizer, called directly (half the cost of the
-        transformers wrapper), if it encodes probes exactly as the wrapper does."""
+        transformers wrapper), if it encodes and decodes probes exactly as the wrapper does."""
         backend: _FastTokenizer | None = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             return None
@@ -157,20 +162,36 @@ class ChatTokenizer:
             [*PROBE_PREFIX, PROBE_ASSISTANT], tokenize=False, add_generation_prompt=True
         )
         for text in (rendered if isinstance(rendered, str) else "", *SLOT_CHECKS):
-            if list(backend.encode(text, add_special_tokens=False).ids) != list(
-                tokenizer.encode(text, add_special_tokens=False)
-            ):
-                logger.warning("the tokenizer's backend encodes differently from its wrapper: not used")
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if list(backend.encode(text, add_special_tokens=False).ids) != ids or backend.decode(
+                ids, skip_special_tokens=False
+            ) != tokenizer.decode(ids, skip_special_tokens=False):
+                logger.warning("the tokenizer's backend differs from its wrapper: not used")
                 return None
         return backend
 
     def decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def prompt_ids(self, system_prompt: str, tools: list[dict[str, Any]], first_message: str) -> list[int]:
-        """P: system prompt with the tools, the first user message, the first generation header."""
-        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": first_message}]
-        return self.encode(self.render(messages, tools=tools, add_generation_prompt=True))
+        """P: system prompt with the tools, the first user message, the first generation header.
+
+        The samples of a GRPO group share their prompt: it is rendered and encoded once."""
+        key = (system_prompt, json.dumps(tools, sort_keys=True), first_message)
+        ids = self._prompts.get(key)
+        if ids is None:
+            messages = [
+                {"role": "system", "content": system_prompt},
+                {"role": "user", "content": first_message},
+            ]
+            ids = self._prompts[key] = self.encode(
+                self.render(messages, tools=tools, add_generation_prompt=True)
+            )
+            while len(self._prompts) > PROMPT_CACHE_SIZE:
+                del self._prompts[next(iter(self._prompts))]  # the oldest
+        return list(ids)
 
     def closing_ids(self, sampled_ids: list[int]) -> list[int]:
         """Template tokens that end the assistant turn after `sampled_ids`, less what the model sampled.

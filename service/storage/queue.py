@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, String, cast, literal, select, update
+from sqlalchemy import ColumnElement, Row, String, Table, Update, bindparam, cast, literal, select, update
 
 from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.storage import blobs
@@ -222,21 +222,37 @@ async def finish_episode(
 
     Returns False, writing nothing, when the lease was lost (re-queued, failed or released).
     """
-    now = now or utcnow()
+    values = {f"result_{name}": value for name, value in _result_columns(result).items()}
+    params = {"episode": episode_id, "owner": worker_id, "fence": attempt, "now": now or utcnow()}
     async with sm.begin() as session:
-        stored = await session.scalars(
-            update(Episode)
-            .where(
-                Episode.id == episode_id,
-                Episode.status == _RUNNING,
-                Episode.lease_owner == worker_id,
-                Episode.attempt == attempt,
-            )
-            .values(**_result_columns(result), lease_expires_at=None, finished_at=now)
-            .returning(Episode.id)
-            .execution_options(synchronize_session=False)
-        )
+        stored = await session.execute(_FINISH, params | values)
         return stored.first() is not None
+
+
+def _finish_statement() -> Update:
+    """The result write, built once: one per finished episode is the queue's hottest statement."""
+    table: Table = Episode.__table__  # type: ignore[assignment]  # a declarative model's Table
+    columns = {name: table.c[name] for name in _result_columns(EpisodeResult.failed(""))}
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("episode"),
+            table.c.status == _RUNNING,
+            table.c.lease_owner == bindparam("owner"),
+            table.c.attempt == bindparam("fence"),
+        )
+        .values(
+            {column: bindparam(f"result_{name}", type_=column.type) for name, column in columns.items()}
+            | {
+                table.c.lease_expires_at: None,
+                table.c.finished_at: bindparam("now", type_=table.c.finished_at.type),
+            }
+        )
+        .returning(table.c.id)
+    )
+
+
+_FINISH = _finish_statement()
 
 
 async def release_episodes(

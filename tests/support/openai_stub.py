@@ -63,12 +63,12 @@ def openai_stub(script: Script) -> Iterator[StubServer]:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the OpenAI stub server did not start")
-        time.sleep(0.01)
     try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the OpenAI stub server did not start")
+            time.sleep(0.01)
         yield stub
     finally:
         server.should_exit = True

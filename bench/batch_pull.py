@@ -1,17 +1,22 @@
-"""Pulling a finished batch of long episodes: Arrow IPC stream vs JSON, through the real app.
+"""Pulling a finished batch of long episodes: Arrow IPC stream vs JSON with tokens, over real HTTP.
 
 N episodes of ~L response tokens each (random ids < 4096, a loss mask of 0/1 runs, float64
 logprobs where the mask is 1, 0.0 elsewhere) are written through the storage layer (enqueue_batch,
-claim_episodes, finish_episode) into a fresh SQLite database, then served by the app
-(run_worker=False) over HTTP. Pulled as:
-- Arrow: GET /batches/{id} with Accept: application/vnd.apache.arrow.stream (one request);
-- JSON: GET /batches/{id}?include_tokens=true if the API supports it, else GET /episodes/{id} for
-  every episode (the JSON path measured is named in the output).
-Both are decoded to Python lists and compared on a sample of episodes (and against what was
-written). Optionally the same on PostgreSQL (--postgres), in a database created and dropped here.
+claim_episodes, finish_episode) into a fresh SQLite database (and, with --postgres, a PostgreSQL
+database created and dropped here). The service then runs as its own process (`python -m service
+serve`, API only) on that database, and this process, the client, pulls the batch as a trainer does:
+- Arrow: GET /batches/{id} with Accept: application/vnd.apache.arrow.stream (--repeat times);
+- JSON: GET /batches/{id}?include_tokens=true (once: it takes seconds).
+Timed: the request until the last byte of the body arrived (MB/s are body bytes per second). The
+decoding afterwards (Arrow to a pyarrow Table; JSON parsed) is timed apart and reported beside it.
+Both bodies are checked against what was written on a sample of episodes. The service's peak RSS
+during each pull is read from /proc (VmHWM after resetting it, or VmRSS sampled every 5 ms).
 
 Run from the repo root:
     .venv/bin/python bench/batch_pull.py [--episodes 1024] [--tokens 8192] [--postgres]
+`--server-root DIR` serves from another checkout (e.g. a `git worktree` of an older commit), so its
+code is measured by the same client; `--profile FILE` runs the service under py-spy (raw stacks;
+`--arrow-only` leaves out the JSON pull).
 The last line of output is one JSON object.
 """
 
@@ -21,11 +26,20 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import random
+import signal
+import socket
+import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,21 +47,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from service.app import create_app
-from service.config import Settings
 from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
-from service.serving import serve_app
 from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
 from service.storage.db import Database, run_migrations
 from service.storage.queue import claim_episodes, finish_episode
 
+REPO = Path(__file__).resolve().parents[1]
 ARROW = "application/vnd.apache.arrow.stream"
 PROMPT_TOKENS = 1500
 VOCAB = 4096
 SAMPLE_CHECKS = 16
 WRITE_CHUNK = 64
 POSTGRES_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
+START_TIMEOUT_SECONDS = 120.0
+STOP_TIMEOUT_SECONDS = 30.0
+RSS_SAMPLE_SECONDS = 0.005
+# issue 10: from PostgreSQL, Arrow >= 10x JSON with tokens and >= 300 MB/s.
+GOAL_RATIO = 10.0
+GOAL_ARROW_MB_PER_S = 300.0
 
 
 def make_episode(rng: random.Random, tokens: int) -> dict[str, list[Any]]:
@@ -114,106 +133,279 @@ async def write_batch(database_url: str, episodes: int, tokens: int, seed: int) 
     return batch_id, written
 
 
+# ---- the service, as its own process ----
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@dataclass
+class ServiceProcess:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+    profiled: bool
+
+    @property
+    def pid(self) -> int:
+        """The service's own pid (under py-spy, py-spy's child)."""
+        if not self.profiled:
+            return self.process.pid
+        children = _children(self.process.pid)
+        if not children:
+            raise RuntimeError("py-spy has not started the service")
+        return children[0]
+
+
+@contextmanager
+def service_process(
+    root: Path, database_url: str, log_dir: Path, profile: Path | None
+) -> Iterator[ServiceProcess]:
+    """`python -m service serve` from the checkout at `root`, API only, on a free port."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "DATABASE_URL": database_url,
+        "RUN_WORKER": "false",
+        "API_KEYS": "",
+        "LOG_LEVEL": "WARNING",
+    }
+    command = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    if profile is not None:
+        py_spy = Path(sys.executable).with_name("py-spy")
+        command = [
+            str(py_spy),
+            "record",
+            "--format",
+            "raw",
+            "--rate",
+            "250",
+            "-o",
+            str(profile),
+            "--",
+            *command,
+        ]
+    log = log_dir / f"service-{port}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+    service = ServiceProcess(process, f"http://127.0.0.1:{port}", log, profile is not None)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"the service exited with {process.returncode}:\n{log.read_text()[-3000:]}"
+                )
+            try:
+                if httpx.get(f"{service.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the service is not healthy after {START_TIMEOUT_SECONDS} s")
+            time.sleep(0.1)
+        yield service
+    finally:
+        try:
+            os.kill(service.pid, signal.SIGTERM)
+        except (ProcessLookupError, RuntimeError):
+            process.terminate()
+        try:
+            process.wait(STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _status_kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+class PeakRss:
+    """The peak resident set of process `pid` between start() and stop(), in bytes: VmHWM after
+    resetting it (/proc/<pid>/clear_refs), and VmRSS sampled meanwhile in case the reset fails."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.sampled_kb = 0
+        self.reset = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.sampled_kb = max(self.sampled_kb, _status_kb(self.pid, "VmRSS"))
+            self._stop.wait(RSS_SAMPLE_SECONDS)
+
+    def start(self) -> None:
+        try:
+            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+            self.reset = True
+        except OSError:
+            self.reset = False
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        peak_kb = self.sampled_kb
+        if self.reset:
+            peak_kb = max(peak_kb, _status_kb(self.pid, "VmHWM"))
+        return peak_kb * 1024
+
+
+@dataclass(frozen=True)
+class Pull:
+    body: bytes
+    seconds: float
+    peak_rss: int
+
+
+def timed_get(client: httpx.Client, pid: int, path: str, **kwargs: Any) -> Pull:
+    watch = PeakRss(pid)
+    watch.start()
+    try:
+        started = time.perf_counter()
+        response = client.get(path, **kwargs)
+        body = response.content
+        seconds = time.perf_counter() - started
+    finally:
+        peak = watch.stop()
+    response.raise_for_status()
+    return Pull(body, seconds, peak)
+
+
+# ---- one backend ----
+
+
 def _arrays(row: dict[str, Any]) -> tuple[list[Any], ...]:
     return tuple(row[key] for key in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs"))
 
 
-async def pull(url: str, batch_id: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        await client.get("/health")  # warm the connection
-        started = time.perf_counter()
-        response = await client.get(f"/batches/{batch_id}", headers={"Accept": ARROW})
-        response.raise_for_status()
-        arrow_fetch = time.perf_counter() - started
-        table = pa.ipc.open_stream(io.BytesIO(response.content)).read_all()
-        arrow_rows = {
-            row["group_index"]: row
-            for row in table.select(
-                ["group_index", "episode_id", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs"]
-            ).to_pylist()
-        }
-        arrow_seconds = time.perf_counter() - started
-        arrow_bytes = len(response.content)
-
-        started = time.perf_counter()
-        response = await client.get(f"/batches/{batch_id}", params={"include_tokens": "true"})
-        response.raise_for_status()
-        body = response.json()
-        json_bytes = len(response.content)
-        if body["episodes"] and body["episodes"][0].get("response_ids") is not None:
-            json_path = "GET /batches/{id}?include_tokens=true"
-            json_rows = {episode["group_index"]: episode for episode in body["episodes"]}
-        else:  # include_tokens not supported (yet): one request per episode
-            json_path = "GET /episodes/{id} per episode"
-            json_rows = {}
-            semaphore = asyncio.Semaphore(8)
-
-            async def fetch(episode_id: str) -> None:
-                nonlocal json_bytes
-                async with semaphore:
-                    item = await client.get(f"/episodes/{episode_id}")
-                item.raise_for_status()
-                json_bytes += len(item.content)
-                detail = item.json()
-                json_rows[detail["group_index"]] = detail
-
-            await asyncio.gather(*(fetch(episode["id"]) for episode in body["episodes"]))
-        json_seconds = time.perf_counter() - started
-    return {
-        "arrow_rows": arrow_rows,
-        "json_rows": json_rows,
-        "arrow_seconds": arrow_seconds,
-        "arrow_fetch_seconds": arrow_fetch,
-        "arrow_bytes": arrow_bytes,
-        "json_seconds": json_seconds,
-        "json_bytes": json_bytes,
-        "json_path": json_path,
-    }
-
-
-async def measure(database_url: str, episodes: int, tokens: int, seed: int) -> dict[str, Any]:
-    started = time.perf_counter()
-    batch_id, written = await write_batch(database_url, episodes, tokens, seed)
-    write_seconds = time.perf_counter() - started
-    warm_up_id, _ = await write_batch(database_url, 2, 64, seed + 2)
-    settings = Settings(database_url=database_url, run_worker=False, api_keys="", log_level="WARNING")
-    async with serve_app(create_app(settings)) as url:
-        await pull(url, warm_up_id)  # first-request costs (imports, caches) of both paths
-        pulled = await pull(url, batch_id)
-    arrow_rows, json_rows = pulled["arrow_rows"], pulled["json_rows"]
-    if set(arrow_rows) != set(written) or set(json_rows) != set(written):
-        raise AssertionError(
-            f"episodes missing: wrote {len(written)}, arrow {len(arrow_rows)}, json {len(json_rows)}"
-        )
-    sample = random.Random(seed + 1).sample(sorted(written), min(SAMPLE_CHECKS, len(written)))
+def _check(
+    label: str, groups: list[int], rows: dict[int, Any], written: dict[int, Any], sample: list[int]
+) -> None:
+    if sorted(groups) != sorted(written):
+        raise AssertionError(f"{label}: wrote {len(written)} episodes, pulled {len(groups)}")
     for group in sample:
-        expected = _arrays(written[group])
-        if _arrays(arrow_rows[group]) != expected:
-            raise AssertionError(f"Arrow arrays of group {group} differ from what was stored")
-        if _arrays(json_rows[group]) != expected:
-            raise AssertionError(f"JSON arrays of group {group} differ from what was stored")
+        if _arrays(rows[group]) != _arrays(written[group]):
+            raise AssertionError(f"{label} arrays of group {group} differ from what was stored")
+
+
+def pull_and_check(
+    url: str,
+    pid: int,
+    batch_id: str,
+    warm_up_id: str,
+    written: dict[int, Any],
+    *,
+    repeat: int,
+    arrow_only: bool,
+    seed: int,
+) -> dict[str, Any]:
+    sample = random.Random(seed + 1).sample(sorted(written), min(SAMPLE_CHECKS, len(written)))
+    with httpx.Client(base_url=url, timeout=600) as client:
+        # First-request costs (imports, caches) of both paths, on a small batch.
+        timed_get(client, pid, f"/batches/{warm_up_id}", headers={"Accept": ARROW})
+        timed_get(client, pid, f"/batches/{warm_up_id}", params={"include_tokens": "true"})
+        rss_before = _status_kb(pid, "VmRSS") * 1024
+        arrow_pulls = [
+            timed_get(client, pid, f"/batches/{batch_id}", headers={"Accept": ARROW}) for _ in range(repeat)
+        ]
+        json_pull = None
+        if not arrow_only:
+            json_pull = timed_get(client, pid, f"/batches/{batch_id}", params={"include_tokens": "true"})
+
+    started = time.perf_counter()
+    table = pa.ipc.open_stream(io.BytesIO(arrow_pulls[-1].body)).read_all()
+    arrow_decode = time.perf_counter() - started
+    picked = table.filter(pc.is_in(table["group_index"], pa.array(sample, pa.int32())))
+    arrow_rows = {row["group_index"]: row for row in picked.to_pylist()}
+    _check("Arrow", table["group_index"].to_pylist(), arrow_rows, written, sample)
+    if any(pull.body != arrow_pulls[0].body for pull in arrow_pulls):
+        raise AssertionError("repeated Arrow pulls differ")
+
+    arrow_bytes = len(arrow_pulls[0].body)
+    arrow_seconds = statistics.median(pull.seconds for pull in arrow_pulls)
     response_tokens = sum(len(arrays["response_ids"]) for arrays in written.values())
     prompt_tokens = sum(len(arrays["prompt_ids"]) for arrays in written.values())
     # Useful payload: the token arrays as binary (int32 ids, uint8 mask, float64 logprobs).
     payload_bytes = prompt_tokens * 4 + response_tokens * (4 + 1 + 8)
-    arrow_s, json_s = pulled["arrow_seconds"], pulled["json_seconds"]
-    return {
-        "write_s": round(write_seconds, 2),
-        "arrow_bytes": pulled["arrow_bytes"],
-        "arrow_s": round(arrow_s, 3),
-        "arrow_fetch_s": round(pulled["arrow_fetch_seconds"], 3),
-        "arrow_mb_per_s": round(pulled["arrow_bytes"] / arrow_s / 1e6, 1),
-        "arrow_payload_mb_per_s": round(payload_bytes / arrow_s / 1e6, 1),
-        "json_path": pulled["json_path"],
-        "json_bytes": pulled["json_bytes"],
-        "json_s": round(json_s, 3),
-        "json_mb_per_s": round(pulled["json_bytes"] / json_s / 1e6, 1),
-        "json_payload_mb_per_s": round(payload_bytes / json_s / 1e6, 1),
-        "ratio": round(json_s / arrow_s, 2),
-        "size_ratio": round(pulled["json_bytes"] / pulled["arrow_bytes"], 2),
+    result = {
+        "arrow_bytes": arrow_bytes,
+        "arrow_s": round(arrow_seconds, 3),
+        "arrow_runs_s": [round(pull.seconds, 3) for pull in arrow_pulls],
+        "arrow_mb_per_s": round(arrow_bytes / arrow_seconds / 1e6, 1),
+        "arrow_best_mb_per_s": round(arrow_bytes / min(pull.seconds for pull in arrow_pulls) / 1e6, 1),
+        "arrow_decode_s": round(arrow_decode, 3),
+        "arrow_peak_rss_mb": round(max(pull.peak_rss for pull in arrow_pulls) / 1e6, 1),
         "payload_bytes": payload_bytes,
+        "payload_mb_per_s": round(payload_bytes / arrow_seconds / 1e6, 1),
+        "service_rss_mb": round(rss_before / 1e6, 1),
         "verified_episodes": len(sample),
     }
+    if json_pull is None:
+        return result
+    started = time.perf_counter()
+    body = json.loads(json_pull.body)
+    json_decode = time.perf_counter() - started
+    json_rows = {episode["group_index"]: episode for episode in body["episodes"]}
+    _check("JSON", [episode["group_index"] for episode in body["episodes"]], json_rows, written, sample)
+    json_bytes = len(json_pull.body)
+    return result | {
+        "json_path": "GET /batches/{id}?include_tokens=true",
+        "json_bytes": json_bytes,
+        "json_s": round(json_pull.seconds, 3),
+        "json_mb_per_s": round(json_bytes / json_pull.seconds / 1e6, 1),
+        "json_decode_s": round(json_decode, 3),
+        "json_peak_rss_mb": round(json_pull.peak_rss / 1e6, 1),
+        "ratio": round(json_pull.seconds / arrow_seconds, 2),
+        "size_ratio": round(json_bytes / arrow_bytes, 2),
+    }
+
+
+def measure(
+    database_url: str,
+    episodes: int,
+    tokens: int,
+    seed: int,
+    *,
+    repeat: int,
+    arrow_only: bool,
+    server_root: Path,
+    profile: Path | None,
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    batch_id, written = asyncio.run(write_batch(database_url, episodes, tokens, seed))
+    write_seconds = time.perf_counter() - started
+    warm_up_id, _ = asyncio.run(write_batch(database_url, 2, 64, seed + 2))
+    with tempfile.TemporaryDirectory(prefix="bench-pull-logs-") as logs:
+        with service_process(server_root, database_url, Path(logs), profile) as service:
+            result = pull_and_check(
+                service.url,
+                service.pid,
+                batch_id,
+                warm_up_id,
+                written,
+                repeat=repeat,
+                arrow_only=arrow_only,
+                seed=seed,
+            )
+    return {"write_s": round(write_seconds, 2), **result}
 
 
 async def postgres_database() -> tuple[str, str]:
@@ -238,14 +430,34 @@ async def drop_postgres_database(name: str) -> None:
         await connection.close()
 
 
+def _profile_path(profile: Path | None, backend: str) -> Path | None:
+    return None if profile is None else profile.with_name(f"{profile.stem}-{backend}{profile.suffix}")
+
+
 def run_bench(
-    episodes: int = 1024, tokens: int = 8192, postgres: bool = False, seed: int = 7
+    episodes: int = 1024,
+    tokens: int = 8192,
+    postgres: bool = False,
+    seed: int = 7,
+    *,
+    repeat: int = 5,
+    arrow_only: bool = False,
+    server_root: Path = REPO,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
-    result: dict[str, Any] = {"episodes": episodes, "response_tokens": tokens, "prompt_tokens": PROMPT_TOKENS}
+    result: dict[str, Any] = {
+        "episodes": episodes,
+        "response_tokens": tokens,
+        "prompt_tokens": PROMPT_TOKENS,
+        "server_root": str(server_root),
+    }
+    options: dict[str, Any] = {"repeat": repeat, "arrow_only": arrow_only, "server_root": server_root}
     with tempfile.TemporaryDirectory(prefix="bench-pull-") as tmp:
         url = f"sqlite+aiosqlite:///{tmp}/bench.db"
         run_migrations(url)
-        result.update(asyncio.run(measure(url, episodes, tokens, seed)))
+        result.update(
+            measure(url, episodes, tokens, seed, profile=_profile_path(profile, "sqlite"), **options)
+        )
     if postgres:
         try:
             name, url = asyncio.run(postgres_database())
@@ -254,28 +466,46 @@ def run_bench(
         else:
             try:
                 run_migrations(url)
-                result["postgres"] = asyncio.run(measure(url, episodes, tokens, seed))
+                result["postgres"] = measure(
+                    url, episodes, tokens, seed, profile=_profile_path(profile, "postgres"), **options
+                )
             finally:
                 asyncio.run(drop_postgres_database(name))
+            postgres_result = result["postgres"]
+            if not arrow_only:
+                result["goal_met"] = (
+                    postgres_result["ratio"] >= GOAL_RATIO
+                    and postgres_result["arrow_mb_per_s"] >= GOAL_ARROW_MB_PER_S
+                )
     return result
 
 
 def _lines(label: str, r: dict[str, Any]) -> list[str]:
+    runs = ", ".join(f"{seconds:.2f}" for seconds in r["arrow_runs_s"])
+    lines = [
+        f"[{label}] stored in {r['write_s']:.1f} s; useful payload {r['payload_bytes'] / 1e6:.1f} MB; "
+        f"service RSS {r['service_rss_mb']:.0f} MB before the pulls",
+        f"  Arrow  {r['arrow_bytes'] / 1e6:8.1f} MB in {r['arrow_s']:.3f} s (median of {runs}) "
+        f"{r['arrow_mb_per_s']:7.1f} MB/s; peak RSS {r['arrow_peak_rss_mb']:.0f} MB; "
+        f"decoded to a Table in {r['arrow_decode_s']:.3f} s",
+    ]
+    if "json_s" not in r:
+        return lines
     return [
-        f"[{label}] stored in {r['write_s']:.1f} s; useful payload {r['payload_bytes'] / 1e6:.1f} MB",
-        f"  Arrow  {r['arrow_bytes'] / 1e6:8.1f} MB in {r['arrow_s']:.2f} s "
-        f"({r['arrow_fetch_s']:.2f} s HTTP)  {r['arrow_mb_per_s']:.1f} MB/s",
-        f"  JSON   {r['json_bytes'] / 1e6:8.1f} MB in {r['json_s']:.2f} s  {r['json_mb_per_s']:.1f} MB/s"
-        f"  via {r['json_path']}",
+        *lines,
+        f"  JSON   {r['json_bytes'] / 1e6:8.1f} MB in {r['json_s']:.3f} s {r['json_mb_per_s']:7.1f} MB/s; "
+        f"peak RSS {r['json_peak_rss_mb']:.0f} MB; parsed in {r['json_decode_s']:.3f} s; "
+        f"via {r['json_path']}",
         f"  ratio  JSON/Arrow time {r['ratio']:.1f}x, size {r['size_ratio']:.1f}x; "
-        f"{r['verified_episodes']} episodes verified identical in both",
+        f"{r['verified_episodes']} episodes verified in both",
     ]
 
 
 def report(r: dict[str, Any]) -> str:
     lines = [
         f"{r['episodes']} episodes x {r['response_tokens']} response tokens "
-        f"(+{r['prompt_tokens']} prompt tokens), times include decoding to Python lists"
+        f"(+{r['prompt_tokens']} prompt tokens), served from {r['server_root']} by its own process; "
+        "times are the HTTP fetch to the last byte"
     ]
     lines += _lines("sqlite", r)
     postgres = r.get("postgres")
@@ -283,6 +513,11 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"[postgres] skipped: {postgres['error']}")
     elif postgres:
         lines += _lines("postgres", postgres)
+    if "goal_met" in r:
+        lines.append(
+            f"goal (PostgreSQL: Arrow >= {GOAL_RATIO:g}x JSON and >= {GOAL_ARROW_MB_PER_S:g} MB/s): "
+            f"{'met' if r['goal_met'] else 'NOT met'}"
+        )
     return "\n".join(lines)
 
 
@@ -294,10 +529,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--postgres", action="store_true", help="also measure on the local PostgreSQL")
     parser.add_argument("--quick", action="store_true", help="16 episodes x 512 tokens (smoke test)")
+    parser.add_argument("--repeat", type=int, default=5, help="Arrow pulls (the median is reported)")
+    parser.add_argument("--arrow-only", action="store_true", help="no JSON pull (e.g. to profile)")
+    parser.add_argument("--server-root", type=Path, default=REPO, help="the checkout to serve from")
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy raw stacks to FILE-<backend>")
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.tokens = 16, 512
-    result = run_bench(args.episodes, args.tokens, args.postgres)
+    result = run_bench(
+        args.episodes,
+        args.tokens,
+        args.postgres,
+        repeat=args.repeat,
+        arrow_only=args.arrow_only,
+        server_root=args.server_root.resolve(),
+        profile=args.profile,
+    )
     print(report(result))
     print(json.dumps(result))
     return result

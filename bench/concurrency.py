@@ -177,14 +177,37 @@ async def bare_client_baseline(url: str, bodies: dict[str, list[bytes]]) -> dict
     return {"calls": calls, "cpu_s": cpu, "wall_s": wall, "cpu_ms_per_call": 1e3 * cpu / max(calls, 1)}
 
 
-class HealthProbe:
+class LagProbe:
+    """Sleeps PROBE_INTERVAL in a loop on the running loop and records how late it wakes up."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await asyncio.sleep(PROBE_INTERVAL)
+            self.samples.append(max(0.0, loop.time() - started - PROBE_INTERVAL))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> dict[str, float]:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        return lag_stats(self.samples)
+
+
+class HealthProbe(LagProbe):
     """GET /health every HEALTH_PROBE_INTERVAL from its own connection; latency and errors."""
 
     def __init__(self, url: str) -> None:
+        super().__init__()
         self.url = url
-        self.latencies: list[float] = []
         self.errors: Counter[str] = Counter()
-        self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
@@ -196,41 +219,8 @@ class HealthProbe:
                         self.errors[f"HTTP {response.status_code}"] += 1
                 except httpx.HTTPError as error:
                     self.errors[type(error).__name__] += 1
-                self.latencies.append(time.perf_counter() - started)
+                self.samples.append(time.perf_counter() - started)
                 await asyncio.sleep(HEALTH_PROBE_INTERVAL)
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> dict[str, float]:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        return lag_stats(self.latencies)
-
-
-class LagProbe:
-    """Sleeps PROBE_INTERVAL in a loop on the running loop and records how late it wakes up."""
-
-    def __init__(self) -> None:
-        self.lags: list[float] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            started = loop.time()
-            await asyncio.sleep(PROBE_INTERVAL)
-            self.lags.append(max(0.0, loop.time() - started - PROBE_INTERVAL))
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> dict[str, float]:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        return lag_stats(self.lags)
 
 
 def lag_stats(lags: list[float]) -> dict[str, float]:

@@ -76,8 +76,10 @@ def stop(process: subprocess.Popen[bytes]) -> int:
         return process.wait()
 
 
-def process_tree_cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of `root` and its live descendants (Linux /proc)."""
+def process_tree_cpu_seconds(root: int | None) -> float:
+    """User + system CPU seconds of `root` and its live descendants (Linux /proc); 0.0 for None."""
+    if root is None:
+        return 0.0
     parents: dict[int, int] = {}
     cpu: dict[int, float] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -103,7 +105,7 @@ def machine_cpu_seconds() -> float:
 
 
 @contextmanager
-def sim_worker(latency: float, log_dir: Path) -> Iterator[tuple[str, int]]:
+def sim_worker(latency: float, log_dir: Path) -> Iterator[tuple[str, int | None]]:
     port = free_port()
     log = log_dir / "sim.log"
     with log.open("wb") as out:
@@ -118,6 +120,16 @@ def sim_worker(latency: float, log_dir: Path) -> Iterator[tuple[str, int]]:
         yield url, process.pid
     finally:
         stop(process)
+
+
+@contextmanager
+def engine(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[str, int | None]]:
+    """The engine's URL and the pid of the local simulated worker (None: the engine is elsewhere)."""
+    if args.sglang_url:
+        yield args.sglang_url, None
+        return
+    with sim_worker(args.latency, log_dir) as sim:
+        yield sim
 
 
 @contextmanager
@@ -147,7 +159,7 @@ def started_processes(log: Path) -> int:
 
 
 def run_once(
-    workers: int, episodes: int, sim_url: str, sim_pid: int, kind: str, tmp: Path, max_wall: float
+    workers: int, episodes: int, sim_url: str, sim_pid: int | None, kind: str, tmp: Path, max_wall: float
 ) -> dict[str, Any]:
     samples = max(1, episodes // SHOP_TEST_TASKS)
     tasks = min(episodes, SHOP_TEST_TASKS)
@@ -240,6 +252,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--latency", type=float, default=0.5, help="seconds per /generate")
     parser.add_argument("--workers", type=int, default=2, help="compared with 1")
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument(
+        "--sglang-url",
+        default=None,
+        help="an engine elsewhere (a sim worker on another host, SGLang) instead of a local sim worker, "
+        "which takes its share of this machine's cores",
+    )
     parser.add_argument("--max-wall", type=float, default=600.0, help="stop waiting after this many seconds")
     parser.add_argument(
         "--rounds", type=int, default=1, help="1 then N, this many times; ratios of the medians"
@@ -251,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     measured_at = datetime.now(UTC).isoformat(timespec="seconds")
     with (
         tempfile.TemporaryDirectory(prefix="bench-workers-") as tmp,
-        sim_worker(args.latency, Path(tmp)) as sim,
+        engine(args, Path(tmp)) as sim,
     ):
         runs = [
             run_once(workers, args.episodes, *sim, args.database, Path(tmp), args.max_wall)
@@ -266,7 +284,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bench": "workers",
         "measured_at": measured_at,
         "database": args.database,
-        "latency_s": args.latency,
+        "engine": args.sglang_url or "local sim worker",
+        "latency_s": None if args.sglang_url else args.latency,
         "cpus": os.cpu_count(),
         "runs": runs,
         "goal_ratio": GOAL_RATIO,

@@ -74,8 +74,12 @@ def test_batch_pull_quick(capsys: pytest.CaptureFixture[str]) -> None:
         "json_mb_per_s",
         "ratio",
         "verified_episodes",
+        "service_rss_mb",
+        "arrow_peak_rss_mb",
+        "json_peak_rss_mb",
     )
     assert result["json_path"]
+    assert len(result["arrow_runs_s"]) == 5
 
 
 @pytest.mark.slow

@@ -133,9 +133,11 @@ async def test_two_processes_share_one_port_and_run_each_episode_once(
         assert len(owners[episode.id]) <= 1, owners[episode.id]  # one lease, never handed over
     # Both processes ran episodes of the batch submitted to the one port.
     assert {pid_of(owner) for seen in owners.values() for owner in seen} == set(children), owners
+    parent = messages_of(service, service.pid)
+    assert not any("unexpectedly" in message for message in parent), service.log_tail(80)
     for pid in children:
-        assert "Application shutdown complete." in messages_of(service, pid)
-        assert f"service process {pid} stopped" in messages_of(service, service.pid)
+        assert "Application shutdown complete." in messages_of(service, pid), service.log_tail(80)
+        assert f"service process {pid} stopped" in parent
 
 
 async def test_sigterm_to_the_parent_drains_every_process(

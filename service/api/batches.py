@@ -10,9 +10,10 @@ from fastapi import APIRouter, Header, Path, Query, Response
 
 from service.api.deps import ServicesDep
 from service.api.errors import NotFound, responses
-from service.api.presenters import ARROW_STREAM_MEDIA_TYPE, batch_arrow, batch_json
+from service.api.presenters import ARROW_STREAM_MEDIA_TYPE, ArrowStreamResponse, batch_json
 from service.api.schemas import BatchOut
 from service.app_state import Services
+from service.storage.batch_rows import open_batch_rows
 from service.storage.batches import batch_unfinished, read_batch
 
 router = APIRouter(tags=["batches"])
@@ -54,13 +55,15 @@ async def get_batch_results(
     """Counts by status and the episodes of complete groups (a GRPO group arrives whole)."""
     if wait > 0:  # an unknown batch has nothing unfinished: no wait, then 404
         await _wait_until_complete(services, batch_id, wait)
-    arrow = ARROW_STREAM_MEDIA_TYPE in accept
-    view = await read_batch(services.database, batch_id, tokens=arrow or include_tokens, transcripts=arrow)
+    if ARROW_STREAM_MEDIA_TYPE in accept:
+        rows = await open_batch_rows(services.database, batch_id)
+        if rows is None:  # decided before the stream starts: past its status line it cannot be a 404
+            raise NotFound(f"no batch {batch_id!r}")
+        return ArrowStreamResponse(rows)
+    view = await read_batch(services.database, batch_id, tokens=include_tokens)
     if view is None:
         raise NotFound(f"no batch {batch_id!r}")
     # Serializing a large batch takes seconds of CPU: on a thread, after the session closed, so
     # the episodes running on the event loop (and their lease heartbeats) go on meanwhile.
-    if arrow:
-        return Response(await asyncio.to_thread(batch_arrow, view), media_type=ARROW_STREAM_MEDIA_TYPE)
     body = await asyncio.to_thread(batch_json, view, include_tokens=include_tokens)
     return Response(body, media_type="application/json")

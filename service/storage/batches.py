@@ -201,11 +201,9 @@ class BatchView:
     groups_total: int
 
 
-async def read_batch(
-    database: Database, batch_id: str, *, tokens: bool, transcripts: bool
-) -> BatchView | None:
-    """The batch in one read transaction, or None if there is none. `tokens` and `transcripts`
-    load the token blobs and the messages and info; left out, touching them raises."""
+async def read_batch(database: Database, batch_id: str, *, tokens: bool) -> BatchView | None:
+    """The batch in one read transaction, or None if there is none. `tokens` loads the token blobs;
+    left out, touching them raises, as does touching messages or info."""
     statement = (
         select(
             Episode,
@@ -215,9 +213,7 @@ async def read_batch(
         .where(Episode.batch_id == batch_id)
         .order_by(Episode.group_index, Episode.sample_index)
     )
-    deferred = ([] if tokens else list(TOKEN_COLUMNS)) + (
-        [] if transcripts else [Episode.messages, Episode.info]
-    )
+    deferred = ([] if tokens else list(TOKEN_COLUMNS)) + [Episode.messages, Episode.info]
     statement = statement.options(*(defer(column, raiseload=True) for column in deferred))
     async with database.reader() as session:
         batch = await session.get(Batch, batch_id)

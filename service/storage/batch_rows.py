@@ -1,0 +1,142 @@
+"""A batch as the trainer pulls it in bulk: the episodes of its complete groups, read chunk by chunk
+from one snapshot of the database, as stored (token blobs, JSON text), never as ORM objects."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, fields
+from functools import reduce
+from typing import Any
+
+from sqlalchemy import ColumnElement, Row, Text, cast, func, select
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+from service.records import complete_groups
+from service.storage.db import Database
+from service.storage.models import TOKEN_COLUMNS, Batch, Episode
+
+# Token blob bytes per chunk: what one pull holds in memory at a time, a few times over (the rows,
+# the record batch being built, the one being sent).
+CHUNK_BYTES = 8 * 1024 * 1024
+# Ids per `IN (...)` list, whatever the episodes' size: far below the bound-parameter limits.
+MAX_CHUNK_ROWS = 500
+
+
+@dataclass(frozen=True)
+class EpisodeColumns:
+    """Some episodes of a batch, column by column, by group then sample. The token arrays are the
+    stored little-endian blobs (see `blobs`; None where an episode stored none) and turns, messages
+    and info the stored JSON text (None for SQL NULL)."""
+
+    episode_id: Sequence[str]
+    batch_id: Sequence[str]
+    group_index: Sequence[int]
+    sample_index: Sequence[int]
+    task_index: Sequence[int]
+    status: Sequence[str]
+    reward: Sequence[float | None]
+    attempt: Sequence[int]
+    num_turns: Sequence[int | None]
+    prompt_ids: Sequence[bytes | None]
+    response_ids: Sequence[bytes | None]
+    loss_mask: Sequence[bytes | None]
+    rollout_logprobs: Sequence[bytes | None]
+    error: Sequence[str | None]
+    turns_json: Sequence[str | None]
+    messages_json: Sequence[str | None]
+    info_json: Sequence[str | None]
+
+    def __len__(self) -> int:
+        return len(self.episode_id)
+
+
+def _source(name: str) -> ColumnElement[Any]:
+    # JSON columns are read as their text: the Arrow stream carries them as text, so decoding them
+    # here would only be undone there.
+    if name.endswith("_json"):
+        return cast(Episode.__table__.c[name.removesuffix("_json")], Text)
+    return Episode.__table__.c["id" if name == "episode_id" else name]
+
+
+# The select list, in the order of EpisodeColumns' fields.
+_SELECTED = [_source(field.name) for field in fields(EpisodeColumns)]
+# What an episode's token blobs weigh, read without reading them (from the row or TOAST header).
+_TOKEN_BYTES = reduce(operator.add, [func.coalesce(func.length(column), 0) for column in TOKEN_COLUMNS])
+
+
+class BatchRows:
+    """The episodes of a batch's complete groups in one read snapshot, held open until `aclose()`:
+    which episodes they are was decided when it was opened, and `chunks()` reads them."""
+
+    def __init__(self, session: AsyncSession, connection: AsyncConnection, plan: list[list[str]]) -> None:
+        self._session = session
+        self._connection = connection
+        self._plan = plan  # episode ids per chunk, in order
+
+    @property
+    def episodes(self) -> int:
+        return sum(len(ids) for ids in self._plan)
+
+    async def chunks(self) -> AsyncIterator[EpisodeColumns]:
+        """The episodes in order, a chunk of about CHUNK_BYTES of token arrays at a time."""
+        for ids in self._plan:
+            rows: list[Row[Any]] = list(
+                await self._connection.execute(select(*_SELECTED).where(Episode.id.in_(ids)))
+            )
+            position = {episode_id: index for index, episode_id in enumerate(ids)}
+            rows.sort(key=lambda row: position[row[0]])  # by primary key: no server-side sort of blobs
+            yield EpisodeColumns(*zip(*rows, strict=True))
+
+    async def aclose(self) -> None:
+        """Ends the read transaction and returns the connection; safe to call more than once."""
+        await self._session.close()
+
+
+def _chunk_plan(ids_and_sizes: Sequence[tuple[str, int]], chunk_bytes: int) -> list[list[str]]:
+    plan: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for episode_id, episode_bytes in ids_and_sizes:
+        if current and (size + episode_bytes > chunk_bytes or len(current) >= MAX_CHUNK_ROWS):
+            plan.append(current)
+            current, size = [], 0
+        current.append(episode_id)
+        size += episode_bytes
+    if current:
+        plan.append(current)
+    return plan
+
+
+async def open_batch_rows(
+    database: Database, batch_id: str, *, chunk_bytes: int = CHUNK_BYTES
+) -> BatchRows | None:
+    """Opens a read snapshot of the batch and decides which episodes it sends (those of complete
+    groups, in order); None, with nothing left open, if there is no such batch.
+
+    One snapshot: on PostgreSQL a REPEATABLE READ transaction, on SQLite a deferred read
+    transaction of WAL mode. So the chunks read later are exactly the episodes decided here, with
+    the values they had then, whatever finishes meanwhile.
+    """
+    session = database.reader()
+    try:
+        options = {}
+        if database.engine.dialect.name == "postgresql":
+            options = {"isolation_level": "REPEATABLE READ", "postgresql_readonly": True}
+        connection = await session.connection(execution_options=options)
+        if await connection.scalar(select(Batch.id).where(Batch.id == batch_id)) is None:
+            await session.close()
+            return None
+        rows = (
+            await connection.execute(
+                select(Episode.id, Episode.group_index, Episode.status, _TOKEN_BYTES.label("token_bytes"))
+                .where(Episode.batch_id == batch_id)
+                .order_by(Episode.group_index, Episode.sample_index)
+            )
+        ).all()
+    except BaseException:
+        await session.close()
+        raise
+    groups = complete_groups((row.group_index, row.status) for row in rows)
+    plan = _chunk_plan([(row.id, row.token_bytes) for row in rows if row.group_index in groups], chunk_bytes)
+    return BatchRows(session, connection, plan)

@@ -1,0 +1,229 @@
+"""The trainer's bulk pull, GET /batches/{id} as an Arrow stream: chunked reads of one snapshot
+(service/storage/batch_rows.py) streamed as record batches (ArrowStreamResponse), on both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pyarrow as pa
+import pytest
+from starlette.types import Message
+
+from service.api.presenters import ARROW_SCHEMA, ARROW_STREAM_MEDIA_TYPE, ArrowStreamResponse
+from service.app import create_app
+from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
+from service.serving import serve_app
+from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
+from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
+from service.storage.db import Database
+from service.storage.queue import claim_episodes, finish_episode
+from tests.conftest import service_settings
+from tests.support.openai_stub import closed_port_url
+
+ARROW = {"Accept": ARROW_STREAM_MEDIA_TYPE}
+TOKEN_ARRAYS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs")
+PLAYED = [EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED, EpisodeStatus.ABORTED]
+
+
+@pytest.fixture
+async def api(database_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The API alone (no worker claims what the tests store) on a free port."""
+    app = create_app(service_settings(database_url, closed_port_url(), run_worker=False))
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+        yield http
+
+
+async def store_batch(db: Database, groups: int, samples: int, claim: int) -> tuple[str, list[Any]]:
+    """A batch of groups x samples episodes, the first `claim` of them (in group order) running;
+    returns its id and the claims."""
+    batch_id = f"pull-{uuid.uuid4().hex[:8]}"
+    async with db.sessionmaker.begin() as session:
+        await enqueue_batch(
+            session,
+            NewBatch(
+                batch_id=batch_id,
+                request_hash="h" * 64,
+                env="builtin/shop",
+                task_split="test",
+                metadata={},
+                episodes=[
+                    NewEpisode(group, sample, EpisodeRequest("builtin/shop", "test", 40 + group, {}, 8))
+                    for group in range(groups)
+                    for sample in range(samples)
+                ],
+            ),
+        )
+    claims = await claim_episodes(db.sessionmaker, "tests", claim, 600)
+    assert len(claims) == claim
+    return batch_id, claims
+
+
+def result(rng: random.Random, tokens: int, status: EpisodeStatus = EpisodeStatus.COMPLETED) -> EpisodeResult:
+    if status == EpisodeStatus.FAILED:
+        return EpisodeResult.failed("engine unreachable")
+    start, scale = rng.randrange(150_000), rng.random()
+    mask = [(start + i // 37) % 2 for i in range(tokens)]  # runs of sampled and template tokens
+    return EpisodeResult(
+        status=status,
+        reward=rng.random(),
+        prompt_ids=[(start + 31 * i) % 150_000 for i in range(rng.randint(1, 300))],
+        response_ids=[(start + 7919 * i) % 150_000 for i in range(tokens)],
+        loss_mask=mask,
+        rollout_logprobs=[-scale * (i % 101) / 7 if bit else 0.0 for i, bit in enumerate(mask)],
+        messages=[{"role": "user", "content": f"tâche n°{start} ✓"}],
+        info={"task": {"id": start}, "nested": [scale, None, "x"]},
+        turns=[
+            TurnRecord(turn, f"w{turn}", {"type": rng.choice(["stop", "length"])}, 1, 0.1)
+            for turn in range(3)
+        ],
+    )
+
+
+def read_stream(body: bytes) -> tuple[pa.Table, int]:
+    """The stream's rows and how many record batches carried them."""
+    reader = pa.ipc.open_stream(io.BytesIO(body))
+    batches = list(reader)
+    assert reader.schema.equals(ARROW_SCHEMA, check_metadata=True)
+    return pa.Table.from_batches(batches, schema=ARROW_SCHEMA), len(batches)
+
+
+async def test_a_batch_of_many_chunks_streams_whole_and_exact(api: httpx.AsyncClient, db: Database) -> None:
+    rng = random.Random(10)
+    tokens = 40_000  # 13 bytes a token: 40 episodes take 3 chunks
+    batch_id, claims = await store_batch(db, groups=20, samples=2, claim=40)
+    for claim in claims:
+        status = EpisodeStatus.FAILED if claim.group_index == 3 and claim.sample_index else None
+        outcome = result(rng, tokens, status or rng.choice(PLAYED))
+        assert await finish_episode(db.sessionmaker, "tests", claim.id, claim.attempt, outcome)
+    assert 40 * tokens * 13 > 2 * CHUNK_BYTES
+
+    response = await api.get(f"/batches/{batch_id}", headers=ARROW)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == ARROW_STREAM_MEDIA_TYPE
+    table, record_batches = read_stream(response.content)
+    assert record_batches >= 3
+    rows = table.to_pylist()
+    assert [(row["group_index"], row["sample_index"]) for row in rows] == [
+        (group, sample) for group in range(20) for sample in range(2)
+    ]
+    for row in rows:
+        episode = (await api.get(f"/episodes/{row['episode_id']}")).json()
+        for key in (*TOKEN_ARRAYS, "weight_versions"):
+            assert row[key] == (episode[key] or []), key
+        assert row["finish_reasons"] == [reason["type"] for reason in episode["finish_reasons"]]
+        for key in ("batch_id", "status", "reward", "task_index", "attempt", "num_turns", "error"):
+            assert row[key] == episode[key], key
+        assert json.loads(row["messages_json"]) == episode["messages"]
+        assert json.loads(row["info_json"]) == episode["info"]
+    failed = rows[7]
+    assert failed["status"] == "failed" and failed["error"] and failed["response_ids"] == []
+
+
+async def test_only_complete_groups_are_sent(api: httpx.AsyncClient, db: Database) -> None:
+    rng = random.Random(11)
+    batch_id, claims = await store_batch(db, groups=4, samples=2, claim=6)  # group 3 stays queued
+    finished = {  # group 0 completed, group 1 one failed (finished all the same), group 2 half done
+        (0, 0): EpisodeStatus.COMPLETED,
+        (0, 1): EpisodeStatus.TRUNCATED,
+        (1, 0): EpisodeStatus.FAILED,
+        (1, 1): EpisodeStatus.ABORTED,
+        (2, 0): EpisodeStatus.COMPLETED,
+    }
+    for claim in claims:
+        status = finished.get((claim.group_index, claim.sample_index))
+        if status is not None:
+            outcome = result(rng, 50, status)
+            assert await finish_episode(db.sessionmaker, "tests", claim.id, claim.attempt, outcome)
+
+    table, _ = read_stream((await api.get(f"/batches/{batch_id}", headers=ARROW)).content)
+    assert [(row["group_index"], row["sample_index"]) for row in table.to_pylist()] == list(finished)[:4]
+    summary = (await api.get(f"/batches/{batch_id}")).json()
+    assert [episode["id"] for episode in summary["episodes"]] == table["episode_id"].to_pylist()
+
+
+async def test_no_complete_group_is_an_empty_stream_and_an_unknown_batch_a_404(
+    api: httpx.AsyncClient, db: Database
+) -> None:
+    batch_id, _ = await store_batch(db, groups=2, samples=2, claim=1)
+    response = await api.get(f"/batches/{batch_id}", headers=ARROW)
+    assert response.status_code == 200
+    table, _ = read_stream(response.content)
+    assert table.num_rows == 0
+
+    missing = await api.get("/batches/nope", headers=ARROW)
+    assert missing.status_code == 404
+    assert "nope" in missing.json()["detail"]
+
+
+async def finished_batch(db: Database, episodes: int) -> str:
+    rng = random.Random(12)
+    batch_id, claims = await store_batch(db, groups=episodes, samples=1, claim=episodes)
+    for claim in claims:
+        assert await finish_episode(db.sessionmaker, "tests", claim.id, claim.attempt, result(rng, 100))
+    return batch_id
+
+
+async def test_the_snapshot_decides_what_is_sent_and_is_released(db: Database) -> None:
+    batch_id, claims = await store_batch(db, groups=3, samples=1, claim=3)
+    rng = random.Random(13)
+    for claim in claims[:2]:
+        assert await finish_episode(db.sessionmaker, "tests", claim.id, claim.attempt, result(rng, 10))
+    checked_out = db.engine.pool.checkedout()
+    rows = await open_batch_rows(db, batch_id, chunk_bytes=1)  # an episode a chunk
+    assert rows is not None and rows.episodes == 2
+    # Finished after the pull began: not part of it.
+    assert await finish_episode(db.sessionmaker, "tests", claims[2].id, claims[2].attempt, result(rng, 10))
+    chunks = [chunk async for chunk in rows.chunks()]
+    assert [list(chunk.group_index) for chunk in chunks] == [[0], [1]]
+    await rows.aclose()
+    await rows.aclose()
+    assert db.engine.pool.checkedout() == checked_out
+    assert await open_batch_rows(db, "nope") is None
+    assert db.engine.pool.checkedout() == checked_out
+
+
+async def respond(response: ArrowStreamResponse, disconnect_after: int | None) -> list[Message]:
+    """Runs the response as a server would; the client goes away after `disconnect_after` body
+    messages (None: it reads to the end)."""
+    sent: list[Message] = []
+    gone = asyncio.Event()
+
+    async def receive() -> Message:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+        if disconnect_after is not None and len(sent) > disconnect_after:
+            gone.set()
+        await asyncio.sleep(0)
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "GET"}
+    await response(scope, receive, send)
+    return sent
+
+
+async def test_a_client_that_goes_away_mid_stream_releases_the_snapshot(db: Database) -> None:
+    batch_id = await finished_batch(db, episodes=6)
+    checked_out = db.engine.pool.checkedout()
+
+    rows = await open_batch_rows(db, batch_id, chunk_bytes=1)
+    assert rows is not None
+    whole = await respond(ArrowStreamResponse(rows), disconnect_after=None)
+    assert whole[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    table, record_batches = read_stream(b"".join(bytes(message.get("body", b"")) for message in whole))
+    assert table.num_rows == 6 and record_batches == 6
+    assert db.engine.pool.checkedout() == checked_out
+
+    rows = await open_batch_rows(db, batch_id, chunk_bytes=1)
+    assert rows is not None
+    cut = await respond(ArrowStreamResponse(rows), disconnect_after=2)
+    assert len(cut) < len(whole) and cut[-1].get("more_body")
+    assert db.engine.pool.checkedout() == checked_out

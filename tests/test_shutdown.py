@@ -21,7 +21,7 @@ from tests.support.service_process import (
     episodes_of,
     service_process,
     simulated_sglang,
-    submission,
+    submit,
     wait_batch_finished,
     wait_for,
 )
@@ -34,14 +34,6 @@ MID_BATCH_TIMEOUT_SECONDS = 30.0
 # exit reads as "killed by SIGTERM"; the log line "Application shutdown complete." tells it apart.
 GRACEFUL_EXIT_CODES = {0, -signal.SIGTERM}
 FINISH_TIMEOUT_SECONDS = 60.0
-
-
-async def submit(url: str, batch_id: str, tasks: int = TASKS, samples: int = SAMPLES) -> list[str]:
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-        response = await http.post("/episodes", json=submission(batch_id, tasks, samples))
-    assert response.status_code == 202, response.text
-    episode_ids: list[str] = response.json()["episode_ids"]
-    return episode_ids
 
 
 def assert_contract(sim_worker: SimWorker, episode: Episode) -> None:
@@ -64,7 +56,7 @@ async def test_sigterm_releases_unfinished_episodes_after_the_timeout(
             tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=shutdown_timeout,
             max_running_episodes=4,
         ) as first:  # fmt: skip
-            episode_ids = await submit(first.url, "drain")
+            episode_ids = await submit(first.url, "drain", TASKS, SAMPLES)
 
             async def mid_batch() -> bool:
                 # Some episodes done, and one with 3+ turns (> the shutdown timeout) still to go.
@@ -124,7 +116,7 @@ async def test_sigterm_lets_in_flight_episodes_finish_within_a_generous_timeout(
         async with service_process(
             tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=30, max_running_episodes=4,
         ) as first:  # fmt: skip
-            await submit(first.url, "finish")
+            await submit(first.url, "finish", TASKS, SAMPLES)
 
             async def mid_episode() -> bool:
                 episodes = await episodes_of(db, "finish")
@@ -165,7 +157,7 @@ async def test_sigterm_is_not_held_up_by_a_long_poll(database_url: str, db: Data
         async with service_process(
             tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=shutdown_timeout,
         ) as first:  # fmt: skip
-            await submit(first.url, "polled", tasks=2, samples=1)
+            await submit(first.url, "polled", 2, 1)
             async with httpx.AsyncClient(base_url=first.url, timeout=60) as http:
                 poll = asyncio.create_task(http.get("/batches/polled", params={"wait": 60}))
                 try:

@@ -12,7 +12,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import httpx
 import pytest
 
 from service.__main__ import main
@@ -32,7 +31,7 @@ from tests.support.service_process import (
     free_port,
     service_process,
     simulated_sglang,
-    submission,
+    submit,
     wait_batch_finished,
     wait_for,
 )
@@ -88,14 +87,6 @@ async def run_watching_owners(db: Database, batch_id: str) -> tuple[list[Episode
     return await episodes_of(db, batch_id), owners
 
 
-async def submit(url: str, batch_id: str, tasks: int = TASKS, samples: int = SAMPLES) -> list[str]:
-    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-        response = await http.post("/episodes", json=submission(batch_id, tasks, samples))
-    assert response.status_code == 202, response.text
-    episode_ids: list[str] = response.json()["episode_ids"]
-    return episode_ids
-
-
 def assert_ran_once(sim: SimWorker, episode: Episode, attempt: int = 0) -> None:
     assert episode.status in {"completed", "truncated", "aborted"}, (episode.id, episode.error)
     assert episode.attempt == attempt and max(attempts_seen(sim, episode.id)) == attempt
@@ -121,7 +112,7 @@ async def test_two_processes_share_one_port_and_run_each_episode_once(
     async with simulated_sglang(latency_seconds=0.1) as (sim, sglang_url):
         async with service_process(tmp_path, database_url, sglang_url, "workers", **SETTINGS) as service:
             children = await start_processes(service)
-            episode_ids = await submit(service.url, "shared")
+            episode_ids = await submit(service.url, "shared", TASKS, SAMPLES)
             episodes, owners = await run_watching_owners(db, "shared")
             service.terminate()
             assert await service.wait_exit(EXIT_MARGIN_SECONDS) == 0, service.log_tail()
@@ -149,7 +140,7 @@ async def test_sigterm_to_the_parent_drains_every_process(
             tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=shutdown_timeout, **SETTINGS
         ) as first:  # fmt: skip
             children = await start_processes(first)
-            episode_ids = await submit(first.url, "drain", tasks=8)
+            episode_ids = await submit(first.url, "drain", 8, SAMPLES)
 
             async def mid_batch() -> bool:
                 # Both processes run episodes, one of which has 3+ turns (> the timeout) to go.
@@ -195,7 +186,7 @@ async def test_a_process_that_dies_is_replaced_and_its_episodes_rerun(
             tmp_path, database_url, sglang_url, "workers", lease_seconds=LEASE_SECONDS, **SETTINGS
         ) as service:
             children = await start_processes(service)
-            episode_ids = await submit(service.url, "crash", tasks=8)
+            episode_ids = await submit(service.url, "crash", 8, SAMPLES)
             victim = children[0]
 
             async def victim_running() -> bool:

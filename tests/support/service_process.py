@@ -179,3 +179,12 @@ def submission(batch_id: str, tasks: int, samples: int, **overrides: Any) -> dic
     }
     body.update(overrides)
     return body
+
+
+async def submit(url: str, batch_id: str, tasks: int, samples: int) -> list[str]:
+    """POSTs a builtin/shop batch to a service; its episode ids."""
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        response = await http.post("/episodes", json=submission(batch_id, tasks, samples))
+    assert response.status_code == 202, response.text
+    episode_ids: list[str] = response.json()["episode_ids"]
+    return episode_ids

@@ -13,14 +13,12 @@ from sqlalchemy import ColumnElement, Row, Text, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from service.records import complete_groups
-from service.storage.db import Database
+from service.storage.db import IN_LIST_CHUNK, Database
 from service.storage.models import TOKEN_COLUMNS, Batch, Episode
 
 # Token blob bytes per chunk: what one pull holds in memory at a time, a few times over (the rows,
 # the record batch being built, the one being sent).
 CHUNK_BYTES = 8 * 1024 * 1024
-# Ids per `IN (...)` list, whatever the episodes' size: far below the bound-parameter limits.
-MAX_CHUNK_ROWS = 500
 
 
 @dataclass(frozen=True)
@@ -98,7 +96,7 @@ def _chunk_plan(ids_and_sizes: Sequence[tuple[str, int]], chunk_bytes: int) -> l
     current: list[str] = []
     size = 0
     for episode_id, episode_bytes in ids_and_sizes:
-        if current and (size + episode_bytes > chunk_bytes or len(current) >= MAX_CHUNK_ROWS):
+        if current and (size + episode_bytes > chunk_bytes or len(current) >= IN_LIST_CHUNK):
             plan.append(current)
             current, size = [], 0
         current.append(episode_id)

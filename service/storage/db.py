@@ -28,6 +28,8 @@ POSTGRES_MAX_OVERFLOW = 20
 POSTGRES_POOL_RECYCLE_SECONDS = 1800
 READ_ONLY_OPTION = "rollout_read_only"
 CHECK_TIMEOUT_SECONDS = 5.0  # a readiness check's wait for the database
+# Ids per `IN (...)` list: far below the bound-parameter limits of SQLite (32766) and asyncpg (32767).
+IN_LIST_CHUNK = 1000
 
 
 def utcnow() -> datetime:

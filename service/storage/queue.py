@@ -17,12 +17,9 @@ from sqlalchemy import ColumnElement, Row, String, Table, Update, bindparam, cas
 
 from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.storage import blobs
-from service.storage.db import utcnow
+from service.storage.db import IN_LIST_CHUNK, utcnow
 from service.storage.models import REQUEST_COLUMNS, Episode
 from service.storage.writer import Transactions
-
-# Ids per `IN (...)` list: far below the bound-parameter limits of SQLite (32766) and asyncpg (32767).
-IN_LIST_CHUNK = 1000
 
 _QUEUED = EpisodeStatus.QUEUED.value
 _RUNNING = EpisodeStatus.RUNNING.value

@@ -75,7 +75,12 @@ async def lifespan(
     if not settings.api_key_list:
         logger.warning("API_KEYS is not set: the API accepts requests from anyone who can reach it")
     async with AsyncExitStack() as resources:  # each is released even if an earlier release fails
-        database = Database.open(settings.database_url)
+        database = Database.open(
+            settings.database_url,
+            pool_size=settings.database_pool_size,
+            max_overflow=settings.database_max_overflow,
+            pool_timeout=settings.database_pool_timeout_seconds,
+        )
         resources.push_async_callback(database.dispose)
         if await database.check() != "ok":  # not fatal: the worker retries, /ready tells
             logger.warning("the database does not answer at start: %s", database.status.describe())

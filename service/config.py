@@ -73,6 +73,23 @@ class Settings(BaseSettings):
         "MAX_INFLIGHT_GENERATES and ENV_WORKERS are then the command's totals, shared among them.",
     )
 
+    # The database connections of each service process (PostgreSQL; SQLite opens one per use).
+    database_pool_size: int = Field(
+        default=10,
+        ge=1,
+        description="Pooled PostgreSQL connections per process: the writer holds one (all writes go "
+        "through it, committed in groups), the rest serve reads (API requests, long-poll checks, one per "
+        "Arrow or JSON pull while it streams). With `--workers N`, N times this many.",
+    )
+    database_max_overflow: int = Field(
+        default=20, ge=0, description="Connections opened beyond the pool under bursts of reads."
+    )
+    database_pool_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="How long a request waits for a free connection before answering 503 (Retry-After).",
+    )
+
     # The queue and the worker.
     run_worker: bool = Field(default=True, description="Run episodes in this process (false: API only).")
     lease_seconds: float = Field(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,7 +26,9 @@ MIGRATIONS_DIR = REPO_DIR / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 POSTGRES_POOL_SIZE = 10
 POSTGRES_MAX_OVERFLOW = 20
+POSTGRES_POOL_TIMEOUT_SECONDS = 10.0
 POSTGRES_POOL_RECYCLE_SECONDS = 1800
+POSTGRES_CONNECT_TIMEOUT_SECONDS = 10.0  # asyncpg's own default (60 s) outlasts any caller's patience
 READ_ONLY_OPTION = "rollout_read_only"
 CHECK_TIMEOUT_SECONDS = 5.0  # a readiness check's wait for the database
 # Ids per `IN (...)` list: far below the bound-parameter limits of SQLite (32766) and asyncpg (32767).
@@ -45,6 +48,7 @@ def make_engine(
     *,
     pool_size: int = POSTGRES_POOL_SIZE,
     max_overflow: int = POSTGRES_MAX_OVERFLOW,
+    pool_timeout: float = POSTGRES_POOL_TIMEOUT_SECONDS,
     echo: bool = False,
 ) -> AsyncEngine:
     """An async engine for a sqlite+aiosqlite:// or postgresql+asyncpg:// URL.
@@ -64,8 +68,10 @@ def make_engine(
         echo=echo,
         pool_size=pool_size,
         max_overflow=max_overflow,
+        pool_timeout=pool_timeout,
         pool_pre_ping=True,
         pool_recycle=POSTGRES_POOL_RECYCLE_SECONDS,
+        connect_args={"timeout": POSTGRES_CONNECT_TIMEOUT_SECONDS},
     )
 
 
@@ -118,12 +124,18 @@ class DatabaseStatus:
     def __init__(self) -> None:
         self.seen = False
         self.error: str | None = None
+        self.failed_at: float | None = None  # time.monotonic() of the last failure seen
 
     def ok(self) -> None:
         self.seen, self.error = True, None
 
     def failed(self, error: BaseException) -> None:
         self.seen, self.error = True, f"{type(error).__name__}: {error}"[:300]
+        self.failed_at = time.monotonic()
+
+    def answered_for(self, seconds: float) -> bool:
+        """No failure seen in the last `seconds`."""
+        return self.failed_at is None or time.monotonic() - self.failed_at >= seconds
 
     def describe(self) -> str:
         if not self.seen:
@@ -145,8 +157,16 @@ class Database:
     status: DatabaseStatus = field(default_factory=DatabaseStatus, compare=False)
 
     @classmethod
-    def open(cls, url: str) -> Database:
-        engine = make_engine(url)
+    def open(
+        cls,
+        url: str,
+        *,
+        pool_size: int = POSTGRES_POOL_SIZE,
+        max_overflow: int = POSTGRES_MAX_OVERFLOW,
+        pool_timeout: float = POSTGRES_POOL_TIMEOUT_SECONDS,
+    ) -> Database:
+        """The pool (PostgreSQL) serves the readers; the writer holds one connection of it at a time."""
+        engine = make_engine(url, pool_size=pool_size, max_overflow=max_overflow, pool_timeout=pool_timeout)
         read_only = engine.execution_options(**{READ_ONLY_OPTION: True})
         sessionmaker = make_sessionmaker(engine)
         return cls(

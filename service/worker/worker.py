@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CLAIM_BATCH = 256  # episodes claimed in one transaction, at most
-STORE_ATTEMPTS = 5  # tries to write a result before releasing the episode to run again
-STORE_BACKOFF_SECONDS = 0.2  # first delay between those tries; doubles
+STORE_BACKOFF_SECONDS = 0.2  # first delay between tries of a result write; doubles
+STORE_BACKOFF_MAX_SECONDS = 2.0  # up to this: a result is held until the database takes it
 WRITES_DRAIN_SECONDS = 15.0  # on shutdown, how long result writes already under way may take
 CANCEL_WAIT_SECONDS = 5.0  # on shutdown, how long cancelled episodes may take to unwind
 # What a busy or briefly unreachable database raises; anything else is a bug and is not swallowed.
@@ -71,7 +71,6 @@ class EpisodeWorker:
         self.worker_id = worker_id or new_worker_id()
         self.running: dict[str, _Running] = {}
         self._writes: set[asyncio.Future[bool]] = set()  # result writes under way (shielded)
-        self._unstored: dict[str, int] = {}  # episode -> attempt whose result could not be written
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
@@ -182,7 +181,7 @@ class EpisodeWorker:
                     self.writes, self.worker_id, [claim.id], failed=True, attempt=claim.attempt
                 ),
             )
-            return bool(released)
+            return released > 0
 
         def finish(result: EpisodeResult) -> Awaitable[bool]:
             return queue.finish_episode(self.writes, self.worker_id, claim.id, claim.attempt, result)
@@ -193,28 +192,28 @@ class EpisodeWorker:
             logger.error("episode %s: its result cannot be stored: %s", claim.id, error)
             refused = EpisodeResult.failed(f"the result could not be stored: {error}"[:2000])
             stored = await self._with_retries(claim, lambda: finish(refused))
-        if stored is False:
+        if not stored:
             logger.warning("episode %s attempt %d lost its lease; result discarded", claim.id, claim.attempt)
-        elif stored and self.on_finished is not None:
+        elif self.on_finished is not None:
             self.on_finished(claim, result)
-        return bool(stored)
+        return stored
 
-    async def _with_retries(self, claim: ClaimedEpisode, write: Callable[[], Awaitable[T]]) -> T | None:
-        """Runs a database write, retried with backoff; None if it never went through, in which case
-        the episode is released by the sweep loop as soon as the database takes writes again."""
-        for attempt in range(STORE_ATTEMPTS):
+    async def _with_retries(self, claim: ClaimedEpisode, write: Callable[[], Awaitable[T]]) -> T:
+        """Runs a database write until it goes through: a finished result is held in memory through
+        a database outage, never thrown away. Its lease stays valid meanwhile: the heartbeat renews
+        it as soon as the database answers, and no sweep re-queues leases that expired during an
+        outage (see _sweep_loop). Only an error no retry fixes is raised."""
+        delay = STORE_BACKOFF_SECONDS
+        while True:
             try:
                 return await write()
             except PERMANENT_DATABASE_ERRORS:
                 raise
             except DATABASE_ERRORS as error:
                 self.database.status.failed(error)
-                delay = STORE_BACKOFF_SECONDS * 2**attempt
                 logger.warning("writing episode %s failed (%s); retry in %.1f s", claim.id, error, delay)
                 await asyncio.sleep(delay)
-        logger.error("episode %s not written after %d tries; it will run again", claim.id, STORE_ATTEMPTS)
-        self._unstored[claim.id] = claim.attempt
-        return None
+                delay = min(delay * 2, STORE_BACKOFF_MAX_SECONDS)
 
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.lease_seconds / 3
@@ -239,20 +238,21 @@ class EpisodeWorker:
                     running.task.cancel()
 
     async def _sweep_loop(self) -> None:
+        lease = self.settings.lease_seconds
         while True:
-            try:
-                for episode_id, attempt in list(self._unstored.items()):  # a failed attempt each
-                    await queue.release_episodes(
-                        self.writes, self.worker_id, [episode_id], failed=True, attempt=attempt
+            # Leases expire during a database outage although their workers live on: sweep only
+            # once the database has answered for a whole lease, time for every live worker's
+            # heartbeat to renew them.
+            if self.database.status.answered_for(lease):
+                try:
+                    count = await queue.requeue_expired(
+                        self.writes, self.settings.max_attempts, spare_owner=self.worker_id
                     )
-                    del self._unstored[episode_id]
-                count = await queue.requeue_expired(
-                    self.writes, self.settings.max_attempts, spare_owner=self.worker_id
-                )
-                if count:
-                    logger.info("re-queued %d episodes whose lease expired", count)
-                    self.wake()
-            except DATABASE_ERRORS as error:
-                self.database.status.failed(error)
-                logger.exception("sweeping expired leases failed; retrying")
+                except DATABASE_ERRORS as error:
+                    self.database.status.failed(error)
+                    logger.exception("sweeping expired leases failed; retrying")
+                else:
+                    if count:
+                        logger.info("re-queued %d episodes whose lease expired", count)
+                        self.wake()
             await asyncio.sleep(self.settings.sweep_interval_seconds)

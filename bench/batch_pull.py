@@ -29,7 +29,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,9 +48,10 @@ import httpx
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from bench.common import free_port, fresh_database, wait_healthy
 from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
 from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
-from service.storage.db import Database, run_migrations
+from service.storage.db import Database
 from service.storage.queue import claim_episodes, finish_episode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,8 +60,6 @@ PROMPT_TOKENS = 1500
 VOCAB = 4096
 SAMPLE_CHECKS = 16
 WRITE_CHUNK = 64
-POSTGRES_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
-START_TIMEOUT_SECONDS = 120.0
 STOP_TIMEOUT_SECONDS = 30.0
 RSS_SAMPLE_SECONDS = 0.005
 # issue 10: from PostgreSQL, Arrow >= 10x JSON with tokens and >= 300 MB/s.
@@ -136,12 +134,6 @@ async def write_batch(database_url: str, episodes: int, tokens: int, seed: int) 
 # ---- the service, as its own process ----
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _children(pid: int) -> list[int]:
     try:
         return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -201,20 +193,7 @@ def service_process(
         process = subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
     service = ServiceProcess(process, f"http://127.0.0.1:{port}", log, profile is not None)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"the service exited with {process.returncode}:\n{log.read_text()[-3000:]}"
-                )
-            try:
-                if httpx.get(f"{service.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the service is not healthy after {START_TIMEOUT_SECONDS} s")
-            time.sleep(0.1)
+        wait_healthy(service.url, process, log)
         yield service
     finally:
         try:
@@ -408,28 +387,6 @@ def measure(
     return {"write_s": round(write_seconds, 2), **result}
 
 
-async def postgres_database() -> tuple[str, str]:
-    import asyncpg
-
-    name = f"bench_pull_{uuid.uuid4().hex[:8]}"
-    connection = await asyncpg.connect(POSTGRES_ADMIN, timeout=5)
-    try:
-        await connection.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await connection.close()
-    return name, f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
-
-
-async def drop_postgres_database(name: str) -> None:
-    import asyncpg
-
-    connection = await asyncpg.connect(POSTGRES_ADMIN, timeout=5)
-    try:
-        await connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await connection.close()
-
-
 def _profile_path(profile: Path | None, backend: str) -> Path | None:
     return None if profile is None else profile.with_name(f"{profile.stem}-{backend}{profile.suffix}")
 
@@ -453,24 +410,15 @@ def run_bench(
     }
     options: dict[str, Any] = {"repeat": repeat, "arrow_only": arrow_only, "server_root": server_root}
     with tempfile.TemporaryDirectory(prefix="bench-pull-") as tmp:
-        url = f"sqlite+aiosqlite:///{tmp}/bench.db"
-        run_migrations(url)
-        result.update(
-            measure(url, episodes, tokens, seed, profile=_profile_path(profile, "sqlite"), **options)
-        )
-    if postgres:
-        try:
-            name, url = asyncio.run(postgres_database())
-        except (OSError, Exception) as error:  # no server: say so, do not fail the bench
-            result["postgres"] = {"error": f"{type(error).__name__}: {error}"}
-        else:
-            try:
-                run_migrations(url)
+        with fresh_database("sqlite", Path(tmp), migrate=True) as url:
+            result.update(
+                measure(url, episodes, tokens, seed, profile=_profile_path(profile, "sqlite"), **options)
+            )
+        if postgres:
+            with fresh_database("postgres", Path(tmp), migrate=True) as url:
                 result["postgres"] = measure(
                     url, episodes, tokens, seed, profile=_profile_path(profile, "postgres"), **options
                 )
-            finally:
-                asyncio.run(drop_postgres_database(name))
             postgres_result = result["postgres"]
             if not arrow_only:
                 result["goal_met"] = (

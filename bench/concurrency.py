@@ -21,15 +21,10 @@ import gc
 import json
 import logging
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter, defaultdict
-from collections.abc import Coroutine, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,39 +32,27 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
-import asyncpg  # noqa: E402
 import httpx  # noqa: E402
 
+from bench.common import (  # noqa: E402
+    SHOP_TEST_TASKS,
+    cpu_seconds_of,
+    fresh_database,
+    percentiles_ms,
+    run_loop,
+    sim_worker,
+)
 from service.app import create_app  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.transport import AiohttpTransport, Reply  # noqa: E402
 from service.records import rid_attempt_key  # noqa: E402
 from service.serving import serve_app  # noqa: E402
-from service.storage.db import run_migrations  # noqa: E402
 
 PROBE_INTERVAL = 0.010
 HEALTH_PROBE_INTERVAL = 0.2
-POSTGRES_HOST = os.environ.get("BENCH_POSTGRES_HOST", "postgres@127.0.0.1:5432")
 T = TypeVar("T")
 JSON = {"content-type": "application/json"}
 IDLE_PROBE_SECONDS = 2.0
-SIM_START_TIMEOUT = 30.0
-SHOP_TEST_TASKS = 50
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def cpu_seconds_of(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc); 0.0 elsewhere."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def children_cpu_seconds(pid: int, exclude: int) -> float:
@@ -82,44 +65,6 @@ def children_cpu_seconds(pid: int, exclude: int) -> float:
         except OSError:
             continue
     return total
-
-
-@contextmanager
-def sim_worker(latency: float) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "service", "sim-worker", "--port", str(port), "--latency", str(latency)],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "LOG_LEVEL": "WARNING"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SIM_START_TIMEOUT
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"sim worker exited: {process.stderr.read().decode() if process.stderr else ''}"
-                )
-            try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("sim worker did not become healthy")
-            time.sleep(0.1)
-        yield url, process
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
 
 
 class _LeaseCounter(logging.Handler):
@@ -198,7 +143,7 @@ class LagProbe:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        return lag_stats(self.samples)
+        return percentiles_ms(self.samples)
 
 
 class HealthProbe(LagProbe):
@@ -221,22 +166,6 @@ class HealthProbe(LagProbe):
                     self.errors[type(error).__name__] += 1
                 self.samples.append(time.perf_counter() - started)
                 await asyncio.sleep(HEALTH_PROBE_INTERVAL)
-
-
-def lag_stats(lags: list[float]) -> dict[str, float]:
-    if not lags:
-        return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0, "samples": 0}
-    ordered = sorted(lags)
-
-    def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
-
-    return {
-        "p50_ms": round(pct(0.50), 2),
-        "p99_ms": round(pct(0.99), 2),
-        "max_ms": round(ordered[-1] * 1e3, 2),
-        "samples": len(ordered),
-    }
 
 
 async def _run(
@@ -410,33 +339,6 @@ def run_bench(
         worker_logger.propagate = True
 
 
-@contextmanager
-def bench_database(kind: str) -> Iterator[str]:
-    """A fresh, migrated database: a SQLite file, or a PostgreSQL database dropped afterwards."""
-    if kind == "sqlite":
-        with tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp:
-            url = f"sqlite+aiosqlite:///{tmp}/bench.db"
-            run_migrations(url)
-            yield url
-        return
-    name = f"bench_{uuid.uuid4().hex[:12]}"
-    asyncio.run(_postgres_admin(f"CREATE DATABASE {name}"))
-    try:
-        url = f"postgresql+asyncpg://{POSTGRES_HOST}/{name}"
-        run_migrations(url)
-        yield url
-    finally:
-        asyncio.run(_postgres_admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-
-
-async def _postgres_admin(statement: str) -> None:
-    connection = await asyncpg.connect(f"postgresql://{POSTGRES_HOST}/postgres")
-    try:
-        await connection.execute(statement)
-    finally:
-        await connection.close()
-
-
 def _run_bench(
     episodes: int,
     latency: float,
@@ -446,13 +348,17 @@ def _run_bench(
     max_wall: float,
     database: str,
 ) -> dict[str, Any]:
-    with bench_database(database) as database_url, sim_worker(latency) as (sim_url, sim):
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp,
+        fresh_database(database, Path(tmp), migrate=True) as database_url,
+        sim_worker(latency, Path(tmp)) as (sim_url, sim_pid),
+    ):
         result = run_loop(
             _run(
                 episodes=episodes,
                 latency=latency,
                 sim_url=sim_url,
-                sim_pid=sim.pid,
+                sim_pid=sim_pid,
                 database_url=database_url,
                 executor=executor,
                 workers=workers,
@@ -462,15 +368,6 @@ def _run_bench(
         )
         result["database"] = database
         return result
-
-
-def run_loop(coroutine: Coroutine[Any, Any, T]) -> T:
-    """On uvloop where it is installed, as `python -m service serve` runs (uvicorn's default)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coroutine)
-    return uvloop.run(coroutine)
 
 
 def report(r: dict[str, Any]) -> str:

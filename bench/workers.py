@@ -16,17 +16,13 @@ The last line of output is one JSON object.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,46 +30,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-POSTGRES_HOST = os.environ.get("BENCH_POSTGRES_HOST", "postgres@127.0.0.1:5432")
-SHOP_TEST_TASKS = 50
-START_TIMEOUT_SECONDS = 120.0
-STOP_TIMEOUT_SECONDS = 60.0
+sys.path.insert(0, str(REPO))
+
+from bench.common import (  # noqa: E402
+    SHOP_TEST_TASKS,
+    START_TIMEOUT_SECONDS,
+    free_port,
+    fresh_database,
+    sim_worker,
+    stop,
+    wait_healthy,
+)
+
 LONG_POLL_SECONDS = 300.0  # the service's MAX_LONG_POLL_SECONDS
 GOAL_RATIO = 1.7  # issue 10: 2 processes on 2 cores
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_SECONDS
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not healthy after {START_TIMEOUT_SECONDS} s")
-        time.sleep(0.2)
-
-
-def stop(process: subprocess.Popen[bytes]) -> int:
-    process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(STOP_TIMEOUT_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        return process.wait()
 
 
 def process_tree_cpu_seconds(root: int | None) -> float:
@@ -105,24 +78,6 @@ def machine_cpu_seconds() -> float:
 
 
 @contextmanager
-def sim_worker(latency: float, log_dir: Path) -> Iterator[tuple[str, int | None]]:
-    port = free_port()
-    log = log_dir / "sim.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "service", "sim-worker", "--port", str(port), "--latency", str(latency)],
-            cwd=REPO, env={**os.environ, "LOG_LEVEL": "WARNING"}, stdout=out, stderr=out,
-            start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, process, log)
-        yield url, process.pid
-    finally:
-        stop(process)
-
-
-@contextmanager
 def engine(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[str, int | None]]:
     """The engine's URL and the pid of the local simulated worker (None: the engine is elsewhere)."""
     if args.sglang_url:
@@ -130,28 +85,6 @@ def engine(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[str, int |
         return
     with sim_worker(args.latency, log_dir) as sim:
         yield sim
-
-
-@contextmanager
-def fresh_database(kind: str, tmp: Path) -> Iterator[str]:
-    """A new, empty database; `serve` migrates it (SQLite always, PostgreSQL with --migrate)."""
-    if kind == "sqlite":
-        yield f"sqlite+aiosqlite:///{tmp / f'bench-{uuid.uuid4().hex[:8]}.db'}"
-        return
-    name = f"bench_workers_{uuid.uuid4().hex[:12]}"
-    asyncio.run(postgres_admin(f"CREATE DATABASE {name}"))
-    try:
-        yield f"postgresql+asyncpg://{POSTGRES_HOST}/{name}"
-    finally:
-        asyncio.run(postgres_admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-
-
-async def postgres_admin(statement: str) -> None:
-    connection = await asyncpg.connect(f"postgresql://{POSTGRES_HOST}/postgres")
-    try:
-        await connection.execute(statement)
-    finally:
-        await connection.close()
 
 
 def started_processes(log: Path) -> int:

@@ -1,5 +1,5 @@
 """The trainer's bulk pull, GET /batches/{id} as an Arrow stream: chunked reads of one snapshot
-(service/storage/batch_rows.py) streamed as record batches (ArrowStreamResponse), on both backends."""
+(service/storage/batch_rows.py) streamed as record batches (presenters.arrow_stream), on both backends."""
 
 from __future__ import annotations
 
@@ -16,12 +16,20 @@ import pyarrow as pa
 import pytest
 from starlette.types import Message
 
-from service.api.presenters import ARROW_SCHEMA, ARROW_STREAM_MEDIA_TYPE, ArrowStreamResponse
+from service.api.presenters import (
+    ARROW_SCHEMA,
+    ARROW_STREAM_MEDIA_TYPE,
+    BatchStreamResponse,
+    arrow_stream,
+    episode_detail,
+    json_stream,
+)
+from service.api.schemas import EpisodeSummary, EpisodeWithTokens
 from service.app import create_app
 from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
 from service.serving import serve_app
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
-from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
+from service.storage.batches import NewBatch, NewEpisode, enqueue_batch, load_batch_episodes
 from service.storage.db import Database
 from service.storage.queue import claim_episodes, finish_episode
 from tests.conftest import service_settings
@@ -189,7 +197,7 @@ async def test_the_snapshot_decides_what_is_sent_and_is_released(db: Database) -
     assert db.engine.pool.checkedout() == checked_out
 
 
-async def respond(response: ArrowStreamResponse, disconnect_after: int | None) -> list[Message]:
+async def respond(response: BatchStreamResponse, disconnect_after: int | None) -> list[Message]:
     """Runs the response as a server would; the client goes away after `disconnect_after` body
     messages (None: it reads to the end)."""
     sent: list[Message] = []
@@ -216,7 +224,7 @@ async def test_a_client_that_goes_away_mid_stream_releases_the_snapshot(db: Data
 
     rows = await open_batch_rows(db, batch_id, chunk_bytes=1)
     assert rows is not None
-    whole = await respond(ArrowStreamResponse(rows), disconnect_after=None)
+    whole = await respond(arrow_stream(rows), disconnect_after=None)
     assert whole[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
     table, record_batches = read_stream(b"".join(bytes(message.get("body", b"")) for message in whole))
     assert table.num_rows == 6 and record_batches == 6
@@ -224,6 +232,27 @@ async def test_a_client_that_goes_away_mid_stream_releases_the_snapshot(db: Data
 
     rows = await open_batch_rows(db, batch_id, chunk_bytes=1)
     assert rows is not None
-    cut = await respond(ArrowStreamResponse(rows), disconnect_after=2)
+    cut = await respond(arrow_stream(rows), disconnect_after=2)
     assert len(cut) < len(whole) and cut[-1].get("more_body")
     assert db.engine.pool.checkedout() == checked_out
+
+
+@pytest.mark.parametrize("include_tokens", [True, False])
+async def test_json_pull_streams_chunk_by_chunk_with_exact_values(db: Database, include_tokens: bool) -> None:
+    batch_id = await finished_batch(db, episodes=5)
+    rows = await open_batch_rows(db, batch_id, chunk_bytes=1)  # an episode a chunk
+    assert rows is not None
+    sent = await respond(json_stream(rows, include_tokens=include_tokens), disconnect_after=None)
+    bodies = [bytes(message.get("body", b"")) for message in sent if message.get("body")]
+    if include_tokens:
+        assert len(bodies) >= 2 + 5  # the head, a piece per episode, the tail: it was streamed
+    body = json.loads(b"".join(bodies))
+    assert (body["total"], body["finished"], body["complete"], body["groups_complete"]) == (5, 5, True, 5)
+    async with db.sessionmaker() as session:
+        stored = await load_batch_episodes(session, batch_id)
+    assert [entry["id"] for entry in body["episodes"]] == [episode.id for episode in stored]
+    fields = EpisodeWithTokens.model_fields if include_tokens else EpisodeSummary.model_fields
+    for entry, episode in zip(body["episodes"], stored, strict=True):
+        # Against the single-episode view, which reads the same row through the ORM.
+        detail = episode_detail(episode).model_dump(mode="json")
+        assert entry == {name: detail[name] for name in fields}

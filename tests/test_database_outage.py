@@ -56,7 +56,9 @@ async def test_outage_mid_batch_reruns_nothing_and_counts_no_failure(database_ur
         proxied = url.set(port=proxy.port).render_as_string(hide_password=False)
         # Two service processes' worth (two apps, each its own worker and pool), so that each one's
         # sweep sees the other's leases expire during the outage.
-        settings = service_settings(proxied, sglang_url, lease_seconds=LEASE_SECONDS, sweep_interval_seconds=0.2)
+        settings = service_settings(
+            proxied, sglang_url, lease_seconds=LEASE_SECONDS, sweep_interval_seconds=0.2
+        )
         first = await stack.enter_async_context(serve_app(create_app(settings)))
         await stack.enter_async_context(serve_app(create_app(settings)))
         async with httpx.AsyncClient(base_url=first, timeout=10) as http:
@@ -64,7 +66,8 @@ async def test_outage_mid_batch_reruns_nothing_and_counts_no_failure(database_ur
         assert response.status_code == 202, response.text
 
         async def all_past_first_turn() -> bool:
-            return len({r.rid.split(":")[0] for r in sim.requests if not r.rid.endswith(":0")}) == TASKS * SAMPLES
+            past = {r.rid.split(":")[0] for r in sim.requests if not r.rid.endswith(":0")}
+            return len(past) == TASKS * SAMPLES
 
         await wait_for(all_past_first_turn, 30, "every episode to be running")
         proxy.cut()

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Response
+from fastapi import APIRouter, Header, Path, Query
 
 from service.api.deps import ServicesDep
 from service.api.errors import NotFound, responses
-from service.api.presenters import ARROW_STREAM_MEDIA_TYPE, ArrowStreamResponse, batch_json
+from service.api.presenters import ARROW_STREAM_MEDIA_TYPE, arrow_stream, json_stream
 from service.api.schemas import BatchOut
 from service.app_state import Services
-from service.storage.batch_rows import open_batch_rows
-from service.storage.batches import batch_unfinished, read_batch
+from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
+from service.storage.batches import batch_unfinished
 
 router = APIRouter(tags=["batches"])
 
 WAIT_POLL_SECONDS = 1.0  # how often a long-poll re-reads the database (other processes' results)
+JSON_SIZE_FACTOR = 4  # a token's JSON text against its stored bytes, about
 
 
 async def _wait_until_complete(services: Services, batch_id: str, wait: float) -> None:
@@ -55,15 +55,10 @@ async def get_batch_results(
     """Counts by status and the episodes of complete groups (a GRPO group arrives whole)."""
     if wait > 0:  # an unknown batch has nothing unfinished: no wait, then 404
         await _wait_until_complete(services, batch_id, wait)
-    if ARROW_STREAM_MEDIA_TYPE in accept:
-        rows = await open_batch_rows(services.database, batch_id)
-        if rows is None:  # decided before the stream starts: past its status line it cannot be a 404
-            raise NotFound(f"no batch {batch_id!r}")
-        return ArrowStreamResponse(rows)
-    view = await read_batch(services.database, batch_id, tokens=include_tokens)
-    if view is None:
+    # JSON token pulls weigh about three times their blobs: smaller chunks hold as much in memory.
+    arrow = ARROW_STREAM_MEDIA_TYPE in accept
+    chunk_bytes = CHUNK_BYTES if arrow else CHUNK_BYTES // JSON_SIZE_FACTOR
+    rows = await open_batch_rows(services.database, batch_id, chunk_bytes=chunk_bytes)
+    if rows is None:  # decided before the stream starts: past its status line it cannot be a 404
         raise NotFound(f"no batch {batch_id!r}")
-    # Serializing a large batch takes seconds of CPU: on a thread, after the session closed, so
-    # the episodes running on the event loop (and their lease heartbeats) go on meanwhile.
-    body = await asyncio.to_thread(batch_json, view, include_tokens=include_tokens)
-    return Response(body, media_type="application/json")
+    return arrow_stream(rows) if arrow else json_stream(rows, include_tokens=include_tokens)

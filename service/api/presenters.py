@@ -1,33 +1,37 @@
 """Stored episodes and batches as the API answers them: JSON bodies, and the trainer's Arrow stream.
 
+A batch is streamed, JSON and Arrow alike, a chunk of episodes at a time from one read snapshot.
 Token arrays go from the stored little-endian blobs straight into Arrow list columns (one
-concatenation and an offsets array), never through Python lists of numbers.
+concatenation and an offsets array) or through numpy into JSON, never through Python lists of
+numbers.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import orjson
 import pyarrow as pa
+from sqlalchemy import Row
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from service.api.schemas import BatchOut, EpisodeDetail, EpisodeSummary, EpisodeWithTokens
+from service.api.schemas import BatchOut, EpisodeDetail
 from service.records import FINISHED_STATUSES, TurnRecord
 from service.storage import blobs
-from service.storage.batch_rows import BatchRows, EpisodeColumns
-from service.storage.batches import BatchView, StoredEpisode
+from service.storage.batch_rows import BatchHead, BatchRows, EpisodeColumns
 from service.storage.models import Episode
 
 ARROW_STREAM_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 
 
-def _summary_fields(stored: StoredEpisode) -> dict[str, Any]:
-    episode = stored.episode
+def _summary_fields(
+    episode: Episode, prompt_length: int | None, response_length: int | None
+) -> dict[str, Any]:
     return {
         "id": episode.id,
         "status": episode.status,
@@ -37,8 +41,8 @@ def _summary_fields(stored: StoredEpisode) -> dict[str, Any]:
         "task_index": episode.task_index,
         "attempt": episode.attempt,
         "num_turns": episode.num_turns,
-        "prompt_length": stored.prompt_length,
-        "response_length": stored.response_length,
+        "prompt_length": prompt_length,
+        "response_length": response_length,
         "error": episode.error,
     }
 
@@ -56,14 +60,13 @@ def _token_fields(episode: Episode) -> dict[str, Any]:
 
 def episode_detail(episode: Episode) -> EpisodeDetail:
     tokens = _token_fields(episode)
-    lengths = StoredEpisode(
-        episode,
-        prompt_length=None if tokens["prompt_ids"] is None else len(tokens["prompt_ids"]),
-        response_length=None if tokens["response_ids"] is None else len(tokens["response_ids"]),
-    )
     turns = [TurnRecord(**turn) for turn in episode.turns or []]
     return EpisodeDetail(
-        **_summary_fields(lengths),
+        **_summary_fields(
+            episode,
+            prompt_length=None if tokens["prompt_ids"] is None else len(tokens["prompt_ids"]),
+            response_length=None if tokens["response_ids"] is None else len(tokens["response_ids"]),
+        ),
         **tokens,
         batch_id=episode.batch_id,
         env=episode.env,
@@ -80,33 +83,89 @@ def episode_detail(episode: Episode) -> EpisodeDetail:
     )
 
 
-def batch_json(view: BatchView, *, include_tokens: bool) -> bytes:
-    episodes: list[EpisodeWithTokens] | list[EpisodeSummary]
-    if include_tokens:
-        episodes = [
-            EpisodeWithTokens(**_summary_fields(stored), **_token_fields(stored.episode))
-            for stored in view.episodes
-        ]
-    else:
-        episodes = [EpisodeSummary(**_summary_fields(stored)) for stored in view.episodes]
-    counts, batch = view.counts, view.batch
+def batch_json_head(head: BatchHead) -> tuple[bytes, bytes]:
+    """A batch's JSON body (BatchOut) up to its episodes list, and what closes it: the episodes are
+    streamed in between, a chunk at a time."""
+    counts = head.counts
     total = sum(counts.values())
     finished = sum(counts[status] for status in FINISHED_STATUSES)
     body = BatchOut(
-        batch_id=batch.id,
-        env=batch.env,
-        task_split=batch.task_split,
-        metadata=batch.metadata_,
-        created_at=batch.created_at,
+        batch_id=head.batch_id,
+        env=head.env,
+        task_split=head.task_split,
+        metadata=head.metadata,
+        created_at=head.created_at,
         counts=counts,
         total=total,
         finished=finished,
         complete=finished == total,
-        groups_complete=view.groups_complete,
-        groups_total=view.groups_total,
-        episodes=episodes,
+        groups_complete=head.groups_complete,
+        groups_total=head.groups_total,
+        episodes=[],
     )
-    return body.model_dump_json().encode()
+    text = body.model_dump_json().encode()
+    assert text.endswith(b'"episodes":[]}'), "the episodes must be BatchOut's last field"
+    return text.removesuffix(b"]}"), b"]}"
+
+
+def _byte_length(size: int | None, width: int) -> int | None:
+    return None if size is None else size // width
+
+
+def summaries_json(rows: Sequence[Row[Any]]) -> bytes:
+    """Some episodes' summaries (EpisodeSummary, from SUMMARY_SELECTED rows) as JSON list items."""
+    return b",".join(
+        orjson.dumps(
+            {
+                "id": row.id,
+                "status": row.status,
+                "reward": row.reward,
+                "group_index": row.group_index,
+                "sample_index": row.sample_index,
+                "task_index": row.task_index,
+                "attempt": row.attempt,
+                "num_turns": row.num_turns,
+                "prompt_length": _byte_length(row.prompt_bytes, blobs.ID_BYTES),
+                "response_length": _byte_length(row.response_bytes, blobs.ID_BYTES),
+                "error": row.error,
+            }
+        )
+        for row in rows
+    )
+
+
+def _numbers(blob: bytes | None, dtype: str) -> np.ndarray[Any, Any] | None:
+    return None if blob is None else np.frombuffer(blob, dtype=dtype)
+
+
+def episodes_with_tokens_json(columns: EpisodeColumns) -> bytes:
+    """Some episodes (EpisodeWithTokens) as JSON list items: the token arrays from the stored blobs
+    through numpy into orjson, never a Python number per token."""
+    items = []
+    for index in range(len(columns)):
+        prompt, response = columns.prompt_ids[index], columns.response_ids[index]
+        text = columns.turns_json[index]
+        turns = (orjson.loads(text) if text is not None else None) or []
+        item = {
+            "id": columns.episode_id[index],
+            "status": columns.status[index],
+            "reward": columns.reward[index],
+            "group_index": columns.group_index[index],
+            "sample_index": columns.sample_index[index],
+            "task_index": columns.task_index[index],
+            "attempt": columns.attempt[index],
+            "num_turns": columns.num_turns[index],
+            "prompt_length": _byte_length(None if prompt is None else len(prompt), blobs.ID_BYTES),
+            "response_length": _byte_length(None if response is None else len(response), blobs.ID_BYTES),
+            "error": columns.error[index],
+            "prompt_ids": _numbers(prompt, blobs.ID_DTYPE),
+            "response_ids": _numbers(response, blobs.ID_DTYPE),
+            "loss_mask": _numbers(columns.loss_mask[index], blobs.MASK_DTYPE),
+            "rollout_logprobs": _numbers(columns.rollout_logprobs[index], blobs.LOGPROB_DTYPE),
+            "weight_versions": [turn.get("weight_version") for turn in turns],
+        }
+        items.append(orjson.dumps(item, option=orjson.OPT_SERIALIZE_NUMPY))
+    return b",".join(items)
 
 
 ARROW_SCHEMA = pa.schema(
@@ -189,44 +248,68 @@ def arrow_record_batch(columns: EpisodeColumns) -> pa.Buffer:
     return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA).serialize()
 
 
-class ArrowStreamResponse(StreamingResponse):
-    """A batch as an Arrow IPC stream, one record batch per chunk of `rows`, in a pipeline: while
-    one chunk is sent, the next ones are encoded (on threads: the event loop runs the episodes
-    meanwhile) and read. Chunked, since its length is known only at the end, so an error once the
-    status line went out can only cut the stream short: the client sees a body without the end
-    marker.
+class BatchStreamResponse(StreamingResponse):
+    """A batch streamed from `rows`: `head`, then each chunk of episodes encoded by `encode` (joined
+    by `separator`), then `tail`; in a pipeline: while one chunk is sent, the next ones are encoded
+    (on threads: the event loop runs the episodes meanwhile) and read. Chunked, since its length is
+    known only at the end, so an error once the status line went out can only cut the body short:
+    the client sees it incomplete (no Arrow end marker, unterminated JSON).
 
     It owns `rows`: the read snapshot is closed however the response ends (sent, the client gone,
     an error)."""
 
-    media_type = ARROW_STREAM_MEDIA_TYPE
-
-    def __init__(self, rows: BatchRows) -> None:
+    def __init__(
+        self,
+        rows: BatchRows,
+        chunks: AsyncIterator[Any],
+        encode: Callable[[Any], bytes | pa.Buffer],
+        *,
+        head: bytes,
+        tail: bytes,
+        separator: bytes = b"",
+        media_type: str,
+    ) -> None:
         self._rows = rows
         self._reader: asyncio.Task[None] | None = None
-        self._stream = self._body()
-        super().__init__(self._stream)
+        self._stream = self._body(chunks, encode, head, tail, separator)
+        super().__init__(self._stream, media_type=media_type)
 
-    async def _read(self, messages: asyncio.Queue[asyncio.Future[pa.Buffer] | None]) -> None:
+    @staticmethod
+    async def _read(
+        chunks: AsyncIterator[Any],
+        encode: Callable[[Any], bytes | pa.Buffer],
+        encoded: asyncio.Queue[asyncio.Future[bytes | pa.Buffer] | None],
+    ) -> None:
         try:
-            async for columns in self._rows.chunks():
-                await messages.put(asyncio.ensure_future(asyncio.to_thread(arrow_record_batch, columns)))
+            async for chunk in chunks:
+                await encoded.put(asyncio.ensure_future(asyncio.to_thread(encode, chunk)))
         except Exception as error:  # the database's: the body raises it where this chunk goes
-            failed: asyncio.Future[pa.Buffer] = asyncio.get_running_loop().create_future()
+            failed: asyncio.Future[bytes | pa.Buffer] = asyncio.get_running_loop().create_future()
             failed.set_exception(error)
-            await messages.put(failed)
+            await encoded.put(failed)
         else:
-            await messages.put(None)
+            await encoded.put(None)
 
-    async def _body(self) -> AsyncGenerator[bytes | memoryview]:
-        messages: asyncio.Queue[asyncio.Future[pa.Buffer] | None] = asyncio.Queue(PREFETCH_CHUNKS)
-        self._reader = asyncio.create_task(self._read(messages))
-        yield ARROW_SCHEMA.serialize().to_pybytes()
-        while (encoding := await messages.get()) is not None:
+    async def _body(
+        self,
+        chunks: AsyncIterator[Any],
+        encode: Callable[[Any], bytes | pa.Buffer],
+        head: bytes,
+        tail: bytes,
+        separator: bytes,
+    ) -> AsyncGenerator[bytes | memoryview]:
+        encoded: asyncio.Queue[asyncio.Future[bytes | pa.Buffer] | None] = asyncio.Queue(PREFETCH_CHUNKS)
+        self._reader = asyncio.create_task(self._read(chunks, encode, encoded))
+        yield head
+        first = True
+        while (encoding := await encoded.get()) is not None:
             view = memoryview(await encoding)
+            if not first and separator:
+                yield separator
+            first = False
             for start in range(0, len(view), SEND_BYTES):
                 yield view[start : start + SEND_BYTES]
-        yield ARROW_STREAM_END
+        yield tail
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -239,3 +322,26 @@ class ArrowStreamResponse(StreamingResponse):
                 self._reader.cancel()
                 await asyncio.wait([self._reader])
             await self._rows.aclose()
+
+
+def arrow_stream(rows: BatchRows) -> BatchStreamResponse:
+    """The batch as an Arrow IPC stream: the schema message, a record batch per chunk, the end marker."""
+    return BatchStreamResponse(
+        rows,
+        rows.chunks(),
+        arrow_record_batch,
+        head=ARROW_SCHEMA.serialize().to_pybytes(),
+        tail=ARROW_STREAM_END,
+        media_type=ARROW_STREAM_MEDIA_TYPE,
+    )
+
+
+def json_stream(rows: BatchRows, *, include_tokens: bool) -> BatchStreamResponse:
+    """The batch as JSON (BatchOut): its episodes' summaries, or with their token arrays."""
+    head, tail = batch_json_head(rows.head)
+    chunks, encode = (
+        (rows.chunks(), episodes_with_tokens_json) if include_tokens else (rows.summaries(), summaries_json)
+    )
+    return BatchStreamResponse(
+        rows, chunks, encode, head=head, tail=tail, separator=b",", media_type="application/json"
+    )

@@ -1,18 +1,21 @@
-"""A batch as the trainer pulls it in bulk: the episodes of its complete groups, read chunk by chunk
-from one snapshot of the database, as stored (token blobs, JSON text), never as ORM objects."""
+"""A batch as the trainer pulls it: the batch, its counts and the episodes of its complete groups,
+read chunk by chunk from one snapshot of the database, as stored (token blobs, JSON text), never as
+ORM objects. Whatever the batch's size, a pull holds a chunk or a few at a time."""
 
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, fields
+from datetime import datetime
 from functools import reduce
 from typing import Any
 
 from sqlalchemy import ColumnElement, Row, Text, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from service.records import complete_groups
+from service.records import EpisodeStatus, complete_groups
 from service.storage.db import IN_LIST_CHUNK, Database
 from service.storage.models import TOKEN_COLUMNS, Batch, Episode
 
@@ -61,15 +64,46 @@ def _source(name: str) -> ColumnElement[Any]:
 _SELECTED = [_source(field.name) for field in fields(EpisodeColumns)]
 # What an episode's token blobs weigh, read without reading them (from the row or TOAST header).
 _TOKEN_BYTES = reduce(operator.add, [func.coalesce(func.length(column), 0) for column in TOKEN_COLUMNS])
+# An episode's summary: its scalar columns and its token arrays' sizes in bytes, the blobs unread.
+SUMMARY_SELECTED = [
+    Episode.id,
+    Episode.status,
+    Episode.reward,
+    Episode.group_index,
+    Episode.sample_index,
+    Episode.task_index,
+    Episode.attempt,
+    Episode.num_turns,
+    func.length(Episode.prompt_ids).label("prompt_bytes"),
+    func.length(Episode.response_ids).label("response_bytes"),
+    Episode.error,
+]
+
+
+@dataclass(frozen=True)
+class BatchHead:
+    """The batch itself and where its episodes stand, in the snapshot its rows are read from."""
+
+    batch_id: str
+    env: str
+    task_split: str
+    metadata: dict[str, Any]
+    created_at: datetime
+    counts: dict[str, int]  # every status a key
+    groups_total: int
+    groups_complete: int
 
 
 class BatchRows:
     """The episodes of a batch's complete groups in one read snapshot, held open until `aclose()`:
     which episodes they are was decided when it was opened, and `chunks()` reads them."""
 
-    def __init__(self, session: AsyncSession, connection: AsyncConnection, plan: list[list[str]]) -> None:
+    def __init__(
+        self, session: AsyncSession, connection: AsyncConnection, head: BatchHead, plan: list[list[str]]
+    ) -> None:
         self._session = session
         self._connection = connection
+        self.head = head
         self._plan = plan  # episode ids per chunk, in order
 
     @property
@@ -85,6 +119,17 @@ class BatchRows:
             position = {episode_id: index for index, episode_id in enumerate(ids)}
             rows.sort(key=lambda row: position[row[0]])  # by primary key: no server-side sort of blobs
             yield EpisodeColumns(*zip(*rows, strict=True))
+
+    async def summaries(self) -> AsyncIterator[list[Row[Any]]]:
+        """The episodes' summaries (SUMMARY_SELECTED) in order, up to IN_LIST_CHUNK at a time."""
+        ids = [episode_id for chunk in self._plan for episode_id in chunk]
+        for start in range(0, len(ids), IN_LIST_CHUNK):
+            chunk = ids[start : start + IN_LIST_CHUNK]
+            statement = select(*SUMMARY_SELECTED).where(Episode.id.in_(chunk))
+            rows = list(await self._connection.execute(statement))
+            position = {episode_id: index for index, episode_id in enumerate(chunk)}
+            rows.sort(key=lambda row: position[row.id])
+            yield rows
 
     async def aclose(self) -> None:
         """Ends the read transaction and returns the connection; safe to call more than once."""
@@ -122,7 +167,8 @@ async def open_batch_rows(
         if database.engine.dialect.name == "postgresql":
             options = {"isolation_level": "REPEATABLE READ", "postgresql_readonly": True}
         connection = await session.connection(execution_options=options)
-        if await connection.scalar(select(Batch.id).where(Batch.id == batch_id)) is None:
+        batch = (await connection.execute(select(Batch.__table__).where(Batch.id == batch_id))).first()
+        if batch is None:
             await session.close()
             return None
         rows = (
@@ -137,4 +183,14 @@ async def open_batch_rows(
         raise
     groups = complete_groups((row.group_index, row.status) for row in rows)
     plan = _chunk_plan([(row.id, row.token_bytes) for row in rows if row.group_index in groups], chunk_bytes)
-    return BatchRows(session, connection, plan)
+    head = BatchHead(
+        batch_id=batch.id,
+        env=batch.env,
+        task_split=batch.task_split,
+        metadata=batch.metadata,
+        created_at=batch.created_at,
+        counts={status.value: 0 for status in EpisodeStatus} | Counter(row.status for row in rows),
+        groups_total=len({row.group_index for row in rows}),
+        groups_complete=len(groups),
+    )
+    return BatchRows(session, connection, head, plan)

@@ -13,8 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer
 
-from service.records import FINISHED_STATUSES, EpisodeRequest, EpisodeStatus, complete_groups
-from service.storage import blobs
+from service.records import FINISHED_STATUSES, EpisodeRequest, EpisodeStatus
 from service.storage.db import Database, utcnow
 from service.storage.models import TOKEN_COLUMNS, Batch, Episode
 
@@ -179,57 +178,3 @@ async def load_batch_episodes(
     if not with_tokens:
         statement = statement.options(*(defer(column, raiseload=True) for column in TOKEN_COLUMNS))
     return list(await session.scalars(statement))
-
-
-@dataclass(frozen=True)
-class StoredEpisode:
-    """A stored episode with its token counts (read without loading the token blobs)."""
-
-    episode: Episode
-    prompt_length: int | None
-    response_length: int | None
-
-
-@dataclass(frozen=True)
-class BatchView:
-    """A batch as the trainer pulls it: its counts by status and the episodes of complete groups."""
-
-    batch: Batch
-    counts: dict[str, int]
-    episodes: list[StoredEpisode]  # complete groups only, by group then sample
-    groups_complete: int
-    groups_total: int
-
-
-async def read_batch(database: Database, batch_id: str, *, tokens: bool) -> BatchView | None:
-    """The batch in one read transaction, or None if there is none. `tokens` loads the token blobs;
-    left out, touching them raises, as does touching messages or info."""
-    statement = (
-        select(
-            Episode,
-            func.length(Episode.prompt_ids).label("prompt_bytes"),
-            func.length(Episode.response_ids).label("response_bytes"),
-        )
-        .where(Episode.batch_id == batch_id)
-        .order_by(Episode.group_index, Episode.sample_index)
-    )
-    deferred = ([] if tokens else list(TOKEN_COLUMNS)) + [Episode.messages, Episode.info]
-    statement = statement.options(*(defer(column, raiseload=True) for column in deferred))
-    async with database.reader() as session:
-        batch = await session.get(Batch, batch_id)
-        if batch is None:
-            return None
-        counts = await batch_status_counts(session, batch_id)
-        rows = (await session.execute(statement)).all()
-    groups = complete_groups((row.Episode.group_index, row.Episode.status) for row in rows)
-    episodes = [
-        StoredEpisode(row.Episode, _length(row.prompt_bytes), _length(row.response_bytes))
-        for row in rows
-        if row.Episode.group_index in groups
-    ]
-    total = len({row.Episode.group_index for row in rows})
-    return BatchView(batch, counts, episodes, groups_complete=len(groups), groups_total=total)
-
-
-def _length(id_bytes: int | None) -> int | None:
-    return None if id_bytes is None else id_bytes // blobs.ID_BYTES

@@ -21,6 +21,8 @@ _NEEDS_SWAP = sys.byteorder != "little"
 ID_BYTES, MASK_BYTES, LOGPROB_BYTES = 4, 1, 8
 assert array(_INT32).itemsize == ID_BYTES and array(_UINT8).itemsize == MASK_BYTES
 assert array(_FLOAT64).itemsize == LOGPROB_BYTES
+# The same formats as numpy dtypes, for reading blobs without a Python object per item.
+ID_DTYPE, MASK_DTYPE, LOGPROB_DTYPE = "<i4", "u1", "<f8"
 
 
 def _encode(typecode: str, values: Iterable[int] | Iterable[float]) -> bytes:

@@ -1,0 +1,141 @@
+"""What the benchmarks share: the simulated SGLang worker and `serve` as processes, fresh databases,
+CPU accounting from /proc, and percentiles. Run the benches from the repo root."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import asyncpg
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+POSTGRES_HOST = os.environ.get("BENCH_POSTGRES_HOST", "postgres@127.0.0.1:5432")
+START_TIMEOUT_SECONDS = 120.0
+STOP_TIMEOUT_SECONDS = 60.0
+SHOP_TEST_TASKS = 50  # builtin/shop's test split
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not healthy after {START_TIMEOUT_SECONDS} s")
+        time.sleep(0.2)
+
+
+def stop(process: subprocess.Popen[bytes]) -> int:
+    """SIGTERM, then SIGKILL to its process group if it does not exit in time."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(STOP_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        return process.wait()
+
+
+@contextmanager
+def sim_worker(latency: float, log_dir: Path) -> Iterator[tuple[str, int]]:
+    """`python -m service sim-worker` in its own process: its URL and pid."""
+    port = free_port()
+    log = log_dir / f"sim-{port}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service", "sim-worker", "--port", str(port), "--latency", str(latency)],
+            cwd=REPO, env={**os.environ, "LOG_LEVEL": "WARNING"}, stdout=out, stderr=out,
+            start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process, log)
+        yield url, process.pid
+    finally:
+        stop(process)
+
+
+@contextmanager
+def fresh_database(kind: str, tmp: Path, *, migrate: bool = False) -> Iterator[str]:
+    """A new database, a SQLite file in `tmp` or a PostgreSQL database dropped afterwards; migrated
+    to head if `migrate` (`serve` migrates SQLite itself, PostgreSQL with --migrate)."""
+    if kind == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp / f'bench-{uuid.uuid4().hex[:8]}.db'}"
+    else:
+        name = f"bench_{uuid.uuid4().hex[:12]}"
+        asyncio.run(postgres_admin(f"CREATE DATABASE {name}"))
+        url = f"postgresql+asyncpg://{POSTGRES_HOST}/{name}"
+    try:
+        if migrate:
+            from service.storage.db import run_migrations
+
+            run_migrations(url)
+        yield url
+    finally:
+        if kind != "sqlite":
+            asyncio.run(postgres_admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+async def postgres_admin(statement: str) -> None:
+    connection = await asyncpg.connect(f"postgresql://{POSTGRES_HOST}/postgres")
+    try:
+        await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
+def cpu_seconds_of(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc); 0.0 elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentiles_ms(seconds: list[float]) -> dict[str, float]:
+    """p50, p99 and max of durations in seconds, in milliseconds, and how many there were."""
+    if not seconds:
+        return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0, "samples": 0}
+    ordered = sorted(seconds)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+    return {
+        "p50_ms": round(pct(0.50), 2),
+        "p99_ms": round(pct(0.99), 2),
+        "max_ms": round(ordered[-1] * 1e3, 2),
+        "samples": len(ordered),
+    }
+
+
+def run_loop(coroutine: Coroutine[Any, Any, T]) -> T:
+    """On uvloop where it is installed, as `python -m service serve` runs (uvicorn's default)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)

@@ -23,6 +23,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="Service processes on this port, each the whole service (default: SERVE_WORKERS, 1).",
     )
+    serve.add_argument(
+        "--api-processes",
+        type=int,
+        default=None,
+        help="Processes that serve the API alone in front of the --workers, which then run episodes "
+        "off the port (default: SERVE_API_PROCESSES, 0).",
+    )
     demo = commands.add_parser("demo", help="One batch end to end on SQLite with a simulated SGLang worker.")
     demo.add_argument("--tasks", type=int, default=16, help="Tasks of builtin/shop's test split.")
     demo.add_argument("--samples", type=int, default=4, help="Samples per task (a GRPO group).")
@@ -39,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve" and args.workers is not None and args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.command == "serve" and args.api_processes is not None and args.api_processes < 0:
+        parser.error("--api-processes must be at least 0")
 
     from service.config import Settings
     from service.logs import configure_logging
@@ -60,12 +69,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
         workers = settings.serve_workers if args.workers is None else args.workers
-        if workers == 1:
+        api_processes = settings.serve_api_processes if args.api_processes is None else args.api_processes
+        if workers == 1 and api_processes == 0:
             from service.serving import run_service
 
             run_service(settings, args.host, args.port)
             return 0
-        from service.supervisor import Supervisor, listen
+        from service.sockets import listen
+        from service.supervisor import Supervisor
 
         try:
             sock = listen(args.host, args.port)
@@ -73,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
             return 1
         with sock:
-            return Supervisor(settings, workers, sock).run()
+            return Supervisor(settings, workers, sock, api_processes=api_processes).run()
     elif args.command == "demo":
         from service.demo import run_demo
 

@@ -12,9 +12,10 @@ from typing import cast
 from fastapi import FastAPI
 
 from service.api import batches, engine, envs, episodes, health
+from service.api.contract import install_contract
 from service.api.errors import install_error_handlers
 from service.api.middleware import install_middleware
-from service.app_state import ResultsSignal, Services
+from service.app_state import EnginePause, ResultsSignal, Services
 from service.config import Settings
 from service.engine.client import SGLangClient, make_control_client
 from service.engine.transport import AiohttpTransport
@@ -99,6 +100,8 @@ async def lifespan(
             transport=transport,
         )
         results = ResultsSignal()
+        pause = EnginePause(settings.max_pause_seconds, lambda: engine.control("/continue_generation", {}))
+        resources.push_async_callback(pause.aclose)
         worker = None
         if settings.run_worker:
             chat = await asyncio.to_thread(load_chat_tokenizer, settings)
@@ -125,6 +128,7 @@ async def lifespan(
             metrics=metrics,
             results=results,
             shutting_down=shutting_down,
+            pause=pause,
             worker=worker,
         )
         if worker is not None:
@@ -151,4 +155,5 @@ def create_app(settings: Settings | None = None, shutting_down: asyncio.Event | 
     install_middleware(app, settings)
     for module in (episodes, batches, envs, engine, health):
         app.include_router(module.router)
+    install_contract(app)
     return app

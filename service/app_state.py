@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from service.config import Settings
 from service.engine.client import SGLangClient
@@ -11,6 +15,13 @@ from service.envs.base import EnvSpec
 from service.metrics import Metrics
 from service.storage.db import Database
 from service.worker.worker import EpisodeWorker
+
+logger = logging.getLogger(__name__)
+
+GROUP_SUMMARIES_BYTES = 64 * 1024 * 1024  # JSON of complete groups kept for polls, all batches
+RESUME_RETRY_SECONDS = 5.0  # between tries of the pause limit's resume, while workers refuse it
+# A control call's outcome per worker URL: None where it went through, else the problem.
+ControlCall = Callable[[], Awaitable[dict[str, str | None]]]
 
 
 class ResultsSignal:
@@ -31,6 +42,98 @@ class ResultsSignal:
             pass
 
 
+class GroupSummaries:
+    """The JSON summaries of batches' complete groups, kept to answer the next poll: a group, once
+    complete, never changes (each of its episodes' final result is written once), so the polls of a
+    running batch encode each group once. The least recently polled batches go past `max_bytes`."""
+
+    def __init__(self, max_bytes: int = GROUP_SUMMARIES_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._batches: OrderedDict[str, dict[int, bytes]] = OrderedDict()
+        self._bytes = 0
+
+    def of(self, batch_id: str) -> dict[int, bytes]:
+        """The batch's groups summarized so far (a copy, by group index)."""
+        groups = self._batches.get(batch_id)
+        if groups is None:
+            return {}
+        self._batches.move_to_end(batch_id)
+        return dict(groups)
+
+    def add(self, batch_id: str, groups: dict[int, bytes]) -> None:
+        self._batches.setdefault(batch_id, {}).update(groups)
+        self._batches.move_to_end(batch_id)
+        self._bytes += sum(len(text) for text in groups.values())
+        while self._bytes > self.max_bytes and len(self._batches) > 1:
+            _, dropped = self._batches.popitem(last=False)
+            self._bytes -= sum(len(text) for text in dropped.values())
+
+
+class EnginePause:
+    """Generation paused by POST /engine/pause, until POST /engine/continue or, at the latest,
+    `max_seconds` after the last pause: then `resume` runs (a trainer that died mid weight update
+    must not leave the engine paused for ever)."""
+
+    def __init__(self, max_seconds: float, resume: ControlCall) -> None:
+        self.max_seconds = max_seconds
+        self._resume = resume
+        self._since: float | None = None  # time.monotonic() of the pause
+        self._timer: asyncio.Task[None] | None = None
+
+    @property
+    def paused(self) -> bool:
+        return self._since is not None
+
+    def describe(self) -> str:
+        assert self._since is not None
+        elapsed = time.monotonic() - self._since
+        return (
+            f"generation paused by POST /engine/pause {elapsed:.0f} s ago; POST /engine/continue "
+            f"resumes it, or the service itself {max(0.0, self.max_seconds - elapsed):.0f} s from now"
+        )
+
+    def started(self) -> None:
+        self._cancel_timer()
+        self._since = time.monotonic()
+        self._timer = asyncio.create_task(self._resume_at_limit(), name="engine pause limit")
+
+    def ended(self) -> None:
+        self._cancel_timer()
+        self._since = None
+
+    async def _resume_at_limit(self) -> None:
+        await asyncio.sleep(self.max_seconds)
+        while True:
+            outcome = await self._resume()
+            failed = {url: problem for url, problem in outcome.items() if problem is not None}
+            if not failed:
+                logger.warning(
+                    "generation stayed paused %g s (MAX_PAUSE_SECONDS) without POST /engine/continue: "
+                    "resumed it on %d workers",
+                    self.max_seconds,
+                    len(outcome),
+                )
+                self._since, self._timer = None, None
+                return
+            logger.error(
+                "resuming generation after MAX_PAUSE_SECONDS failed on %s; retrying in %g s",
+                failed,
+                RESUME_RETRY_SECONDS,
+            )
+            await asyncio.sleep(RESUME_RETRY_SECONDS)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    async def aclose(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+            await asyncio.wait([timer])
+
+
 @dataclass(frozen=True)
 class Services:
     """What the lifespan builds, whole, and the routes use; one per app."""
@@ -42,4 +145,6 @@ class Services:
     metrics: Metrics
     results: ResultsSignal  # fires whenever this process stores a result
     shutting_down: asyncio.Event  # set when the server was told to stop: long-polls return at once
+    pause: EnginePause  # whether a trainer paused generation, and since when
     worker: EpisodeWorker | None  # None when this process only serves the API (RUN_WORKER=false)
+    summaries: GroupSummaries = field(default_factory=GroupSummaries)

@@ -73,6 +73,15 @@ class Settings(BaseSettings):
         "MAX_INFLIGHT_GENERATES and ENV_WORKERS are then the command's totals, shared among them.",
     )
 
+    serve_api_processes: int = Field(
+        default=0,
+        ge=0,
+        description="Processes `serve` runs that serve the API alone (`--api-processes` overrides it). "
+        "With any, they take every request on the port and the SERVE_WORKERS processes run episodes "
+        "behind them, each on a private loopback port: a trainer's polls and pulls never wait behind "
+        "the episodes' CPU, however many run.",
+    )
+
     # The database connections of each service process (PostgreSQL; SQLite opens one per use).
     database_pool_size: int = Field(
         default=10,
@@ -133,6 +142,13 @@ class Settings(BaseSettings):
     engine_timeout_seconds: float = Field(default=600.0, gt=0, description="Timeout of one /generate call.")
     engine_retries: int = Field(default=5, ge=0, description="Retries of a connection error or 5xx.")
     engine_backoff_seconds: float = Field(default=0.5, ge=0, description="First retry delay; doubles.")
+    max_pause_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="Longest pause of generation (POST /engine/pause): past it without POST "
+        "/engine/continue the service resumes the engine itself and logs a warning. Meanwhile /ready "
+        "answers 503 and /metrics' rollout_engine_paused is 1.",
+    )
 
     # Limits.
     max_request_bytes: int = Field(default=1_048_576, ge=1024, description="Largest accepted request body.")

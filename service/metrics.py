@@ -52,6 +52,11 @@ class Metrics:
         self.inflight_generates = Gauge(
             "rollout_inflight_generates", "/generate calls in flight.", registry=registry
         )
+        self.engine_paused = Gauge(
+            "rollout_engine_paused",
+            "1 while generation is paused (POST /engine/pause, until /engine/continue or MAX_PAUSE_SECONDS).",
+            registry=registry,
+        )
         for status in EpisodeStatus:
             if status.finished:  # queued and running are not outcomes: no always-zero series for them
                 self.finished.labels(status.value)
@@ -72,7 +77,12 @@ class Metrics:
                 self.env_seconds.observe(turn.env_seconds)
 
     def render(
-        self, episodes_by_status: Mapping[str, int], inflight_episodes: int, inflight_generates: int
+        self,
+        episodes_by_status: Mapping[str, int],
+        inflight_episodes: int,
+        inflight_generates: int,
+        *,
+        paused: bool,
     ) -> bytes:
         """The text format, with the gauges set from these readings of the database and the process."""
         for status, count in episodes_by_status.items():
@@ -80,4 +90,5 @@ class Metrics:
         self.queue_depth.set(episodes_by_status.get(EpisodeStatus.QUEUED.value, 0))
         self.inflight_episodes.set(inflight_episodes)
         self.inflight_generates.set(inflight_generates)
+        self.engine_paused.set(int(paused))
         return generate_latest(self.registry)

@@ -3,8 +3,6 @@ of its engine calls. Pure data, no I/O: storage, the API, the loop and metrics a
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -127,12 +125,3 @@ class EpisodeResult:
     @classmethod
     def failed(cls, error: str) -> EpisodeResult:
         return cls(EpisodeStatus.FAILED, None, [], [], [], [], [], {}, error=error)
-
-
-def complete_groups(statuses: Iterable[tuple[int, str]]) -> set[int]:
-    """The groups, of (group_index, status) pairs, all of whose episodes have a final status: a
-    GRPO group reaches the trainer whole or not at all."""
-    unfinished: dict[int, bool] = defaultdict(bool)
-    for group, status in statuses:
-        unfinished[group] |= status not in FINISHED_STATUSES
-    return {group for group, pending in unfinished.items() if not pending}

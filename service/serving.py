@@ -14,6 +14,7 @@ from starlette.types import ASGIApp
 
 from service.app import create_app
 from service.config import Settings
+from service.sockets import listen
 
 STARTUP_TIMEOUT_SECONDS = 60.0
 
@@ -53,8 +54,7 @@ def run_service(
 @asynccontextmanager
 async def serve_app(app: ASGIApp, host: str = "127.0.0.1") -> AsyncIterator[str]:
     """Runs `app` (lifespan included) with uvicorn on a free port; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))
+    sock = listen(host, 0)
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, ws="none"))
     serving = asyncio.create_task(server.serve(sockets=[sock]))

@@ -1,6 +1,11 @@
-"""`serve --workers N`: N service processes on one listening socket and one database, so that a
-machine's cores all work. The parent binds the socket, starts the processes, replaces one that dies,
-and on SIGTERM or SIGINT has each drain as a single `serve` does. It serves nothing itself."""
+"""`serve --workers N [--api-processes M]`: service processes on one listening socket and one
+database, so that a machine's cores all work. The parent binds the socket, starts the processes,
+replaces one that dies, and on SIGTERM or SIGINT has each drain as a single `serve` does. It serves
+nothing itself.
+
+Without API processes each of the N is the whole service. With M of them, the M serve the API alone
+on the socket and the N run episodes, each on a private loopback port that no trainer calls: a poll
+or a pull then never waits behind the episodes' CPU, however many run."""
 
 from __future__ import annotations
 
@@ -23,7 +28,6 @@ from service.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 
-LISTEN_BACKLOG = 2048  # uvicorn's default
 RESTART_DELAY_SECONDS = 1.0  # before a process that died is replaced: a crash loop does not spin
 # How a process ends once asked to stop: uvicorn drains, then re-raises the signal it drained on.
 STOPPED_EXIT_CODES = {0, -signal.SIGTERM, -signal.SIGINT}
@@ -46,18 +50,17 @@ def process_settings(settings: Settings, processes: int) -> Settings:
     )
 
 
-def listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
-
-
-def serve_process(settings: Settings, sock: socket.socket) -> None:
-    """A service process (spawned): the whole service, accepting on the shared socket."""
+def serve_process(settings: Settings, sock: socket.socket | None) -> None:
+    """A service process (spawned): the service `settings` describe, accepting on the shared socket,
+    or with none (a worker behind API processes) on a free loopback port of its own."""
     from service.serving import run_service  # imported here: the parent serves nothing
 
     configure_logging(settings.log_level)
     threading.Thread(target=_drain_when_orphaned, name="orphan watch", daemon=True).start()
-    run_service(settings, sockets=[sock])
+    if sock is None:
+        run_service(settings, "127.0.0.1", 0)
+    else:
+        run_service(settings, sockets=[sock])
 
 
 def _drain_when_orphaned() -> None:
@@ -71,16 +74,22 @@ def _drain_when_orphaned() -> None:
 
 
 class Supervisor:
-    """Runs `processes` service processes on `sock` until SIGTERM or SIGINT, which each of them is
-    sent; returns once all have exited. One that dies meanwhile is reported and replaced, unless it
-    failed to start (uvicorn's exit code 3: the configuration, not bad luck), which stops them all."""
+    """Runs `processes` service processes (and `api_processes` API-only ones in front of them) until
+    SIGTERM or SIGINT, which each of them is sent; returns once all have exited. One that dies
+    meanwhile is reported and replaced, unless it failed to start (uvicorn's exit code 3: the
+    configuration, not bad luck), which stops them all."""
 
-    def __init__(self, settings: Settings, processes: int, sock: socket.socket) -> None:
-        self.settings = process_settings(settings, processes)
-        self.count = processes
+    def __init__(
+        self, settings: Settings, processes: int, sock: socket.socket, *, api_processes: int = 0
+    ) -> None:
+        worker_settings = process_settings(settings, processes)
+        api_settings = worker_settings.model_copy(update={"run_worker": False})
+        # What each process runs and the socket it accepts on (None: a private port).
+        self.roles = [(worker_settings, None if api_processes else sock)] * processes
+        self.roles += [(api_settings, sock)] * api_processes
         self.sock = sock
         self.context = multiprocessing.get_context("spawn")
-        self.processes: dict[int, BaseProcess] = {}  # by sentinel
+        self.processes: dict[int, tuple[BaseProcess, int]] = {}  # by sentinel: the process, its role
         self.stopping = False
         self.exit_code = 0
 
@@ -88,29 +97,31 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         host, port = self.sock.getsockname()[:2]
-        logger.info("serving on %s:%d with %d service processes", host, port, self.count)
-        for _ in range(self.count):
-            self._start()
+        api = sum(1 for settings, _ in self.roles if not settings.run_worker)
+        count = len(self.roles)
+        logger.info("serving on %s:%d with %d service processes (%d API only)", host, port, count, api)
+        for role in range(len(self.roles)):
+            self._start(role)
         while self.processes:
             wait(list(self.processes))
-            for sentinel, process in list(self.processes.items()):
+            for sentinel, (process, role) in list(self.processes.items()):
                 if process.exitcode is not None:
                     del self.processes[sentinel]
                     process.join()
-                    self._exited(process)
+                    self._exited(process, role)
         return self.exit_code
 
-    def _start(self) -> None:
+    def _start(self, role: int) -> None:
         if self.stopping:
             return
-        process = self.context.Process(target=serve_process, args=(self.settings, self.sock))
+        process = self.context.Process(target=serve_process, args=self.roles[role])
         process.start()
-        self.processes[process.sentinel] = process
+        self.processes[process.sentinel] = (process, role)
         logger.info("service process %d started", process.pid)
         if self.stopping:  # the signal came while it was starting, before it could be sent on
             process.terminate()
 
-    def _exited(self, process: BaseProcess) -> None:
+    def _exited(self, process: BaseProcess, role: int) -> None:
         code = process.exitcode
         if self.stopping:
             if code in STOPPED_EXIT_CODES:
@@ -127,7 +138,7 @@ class Supervisor:
                 "service process %d exited unexpectedly (exit code %s); starting another", process.pid, code
             )
             time.sleep(RESTART_DELAY_SECONDS)
-            self._start()
+            self._start(role)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         logger.info("%s: stopping the service processes", signal.Signals(signum).name)
@@ -135,5 +146,5 @@ class Supervisor:
 
     def _stop(self) -> None:
         self.stopping = True
-        for process in list(self.processes.values()):
+        for process, _ in list(self.processes.values()):
             process.terminate()  # SIGTERM: it drains as a single process does

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import socket
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from service.storage.models import Batch, Episode
 from tests.conftest import service_settings
 from tests.support.contract import assert_stored_episode_matches_sim
 from tests.support.openai_stub import closed_port_url
+from tests.support.polling import until
 from tests.support.tokenizer import chat_tokenizer
 
 ARROW = "application/vnd.apache.arrow.stream"
@@ -38,6 +40,13 @@ def submission(**overrides: Any) -> dict[str, Any]:
     }
     body.update(overrides)
     return body
+
+
+def nested(levels: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
 
 
 async def wait_complete(client: httpx.AsyncClient, batch_id: str, seconds: float = 60) -> dict[str, Any]:
@@ -122,7 +131,8 @@ async def test_concurrent_resubmissions_create_one_batch(client: httpx.AsyncClie
     [
         (submission(env="nope"), 422, ["env", "builtin/shop"]),
         (submission(task_split="validation"), 422, ["task_split", "test", "train"]),
-        (submission(task_indices=[0, 50]), 422, ["task_indices.1", "0..49"]),
+        (submission(task_indices=[0, 50]), 422, ["task_indices[1]", "0..49"]),
+        (submission(task_indices=[0, -1]), 422, ["task_indices[1]", "greater than or equal to 0"]),
         (submission(task_indices=[]), 422, ["task_indices"]),
         (submission(samples_per_task=0), 422, ["samples_per_task"]),
         (submission(sampling_params={"temprature": 1.0}), 422, ["sampling_params.temprature"]),
@@ -130,7 +140,29 @@ async def test_concurrent_resubmissions_create_one_batch(client: httpx.AsyncClie
         (submission(batch_id="has space"), 422, ["batch_id"]),
         (submission(max_response_tokens=2**63), 422, ["max_response_tokens"]),
         (submission(sampling_params={"presence_penalty": "NaN"}), 422, ["sampling_params.presence_penalty"]),
-        (submission(sampling_params={"stop_token_ids": [-1]}), 422, ["sampling_params.stop_token_ids.0"]),
+        (submission(sampling_params={"stop_token_ids": [-1]}), 422, ["sampling_params.stop_token_ids[0]"]),
+        # Booleans are no integers, strings no numbers (an integral 6.0 is JSON's integer 6).
+        (submission(samples_per_task=True), 422, ["samples_per_task", "valid integer"]),
+        (submission(task_indices=[0, True]), 422, ["task_indices[1]", "valid integer"]),
+        (submission(max_turns=2.5), 422, ["max_turns", "valid integer"]),
+        (submission(sampling_params={"max_new_tokens": True}), 422, ["sampling_params.max_new_tokens"]),
+        (submission(sampling_params={"top_k": "5"}), 422, ["sampling_params.top_k", "valid integer"]),
+        (submission(sampling_params={"n": 2}), 422, ["sampling_params.n", "Extra inputs"]),
+        (submission(sampling_params={"temperature": "0.7"}), 422, ["sampling_params.temperature"]),
+        (submission(sampling_params={"ignore_eos": 1}), 422, ["sampling_params.ignore_eos"]),
+        (
+            submission(sampling_params={"max_new_tokens": 100, "min_new_tokens": 101}),
+            422,
+            ["sampling_params.min_new_tokens", "min_new_tokens (101) is above max_new_tokens (100)"],
+        ),
+        (
+            submission(sampling_params={"stop": ["x"] * 10_000}),
+            422,
+            ["sampling_params.stop", "at most 64 items"],
+        ),
+        (submission(sampling_params={"stop": ["ok", "x" * 257]}), 422, ["sampling_params.stop[1]", "256"]),
+        (submission(sampling_params={"stop": [""]}), 422, ["sampling_params.stop[0]", "at least 1"]),
+        (submission(metadata={"deep": nested(40)}), 422, ["metadata.deep[0]", "deeper than 32 levels"]),
         (submission(task_indices=list(range(50)), samples_per_task=1000), 413, ["50000 episodes"]),
     ],
 )
@@ -144,6 +176,65 @@ async def test_bad_input_names_the_field_and_writes_nothing(
     async with db.sessionmaker() as session:
         assert await session.scalar(select(func.count()).select_from(Batch)) == 0
         assert await session.scalar(select(func.count()).select_from(Episode)) == 0
+
+
+UNREADABLE = "not Unicode text"  # what a lone surrogate is told
+
+
+@pytest.mark.parametrize(
+    ("metadata", "stop", "names"),
+    [
+        ('{"foo": ["a", "b", "\\ud800"]}', None, ["metadata.foo[2]", "lone surrogate \\ud800", UNREADABLE]),
+        ('{"a": {"\\udc00x": 1}}', None, ['metadata.a["\\udc00x"]', "key", UNREADABLE]),
+        ('{"pair then half": "\\ud83d\\ude00\\ud83d"}', None, ['metadata["pair then half"]', "character 1"]),
+        ("{}", '["ok", "\\ud800"]', ["sampling_params.stop[1]", UNREADABLE]),
+        ('{"foo": [1, NaN]}', None, ["metadata.foo[1]", "NaN is not a JSON number"]),
+        ('{"foo": Infinity}', None, ["metadata.foo", "Infinity is not a JSON number"]),
+        ('{"foo": {"bar": -Infinity}}', None, ["metadata.foo.bar", "-Infinity is not a JSON number"]),
+        ('{"foo": 1e400}', None, ["metadata.foo", "Infinity is not a JSON number"]),
+    ],
+    ids=["surrogate", "surrogate-key", "half-pair", "surrogate-stop", "nan", "inf", "-inf", "1e400"],
+)
+async def test_values_no_answer_could_carry_are_refused_at_submit(
+    client: httpx.AsyncClient, db: Database, metadata: str, stop: str | None, names: list[str]
+) -> None:
+    """A lone surrogate (a JSON \\ud800 escape without its pair) is not text, and NaN or Infinity is no
+    JSON number: stored, they made every later read of the batch or episode fail. Refused here."""
+    params = "{}" if stop is None else f'{{"stop": {stop}}}'
+    body = (
+        '{"env": "builtin/shop", "task_indices": [0], "batch_id": "odd", '
+        f'"metadata": {metadata}, "sampling_params": {params}}}'
+    )
+    response = await client.post("/episodes", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    for name in names:
+        assert name in response.json()["detail"], (name, response.json()["detail"])
+    assert (await client.get("/batches/odd")).status_code == 404
+    async with db.sessionmaker() as session:
+        assert await session.scalar(select(func.count()).select_from(Batch)) == 0
+
+
+async def test_what_is_accepted_reads_back(client: httpx.AsyncClient) -> None:
+    """Odd but valid values: emoji (a surrogate pair in JSON), NUL, control and private-use
+    characters, big integers, the largest float, the deepest nesting allowed."""
+    metadata = {
+        "emoji \U0001f600": "\U0001f600 \x00 \x1b \uffff \U0010ffff",
+        "": [2**80, -(2**63), 1.7976931348623157e308, 5e-324, None, True],
+        "deep": nested(31),
+    }
+    stop = ["\U0001f600", "\x00", "</tool_call>"]
+    body = submission(
+        batch_id="odd-ok", task_indices=[1], samples_per_task=1, max_turns=6.0, metadata=metadata
+    )
+    body["sampling_params"]["stop"] = stop
+    accepted = await client.post("/episodes", json=body)
+    assert accepted.status_code == 202, accepted.text
+    batch = await wait_complete(client, "odd-ok")
+    assert batch["metadata"] == metadata
+    episode = await client.get(f"/episodes/{accepted.json()['episode_ids'][0]}")
+    assert episode.status_code == 200, episode.text
+    assert episode.json()["sampling_params"]["stop"] == stop
+    assert episode.json()["max_turns"] == 6
 
 
 async def test_malformed_json_and_oversized_bodies(client: httpx.AsyncClient) -> None:
@@ -170,6 +261,21 @@ async def test_unknown_ids_are_404(client: httpx.AsyncClient) -> None:
     assert missing.status_code == 404 and "nope" in missing.json()["detail"]
 
 
+@pytest.mark.parametrize(
+    "path", ["/batches/%00", "/batches/a%00b", "/episodes/%00", "/episodes/a%00b", "/episodes/%ED%A0%80"]
+)
+async def test_ids_no_database_can_hold_are_refused_before_it(client: httpx.AsyncClient, path: str) -> None:
+    """PostgreSQL refuses a NUL in a text parameter (it was a 500 there, a 404 on SQLite)."""
+    response = await client.get(path)
+    assert response.status_code == 422, response.text
+    assert "should match pattern" in response.json()["detail"]
+
+
+async def test_the_query_is_validated_before_the_batch_is_looked_up(client: httpx.AsyncClient) -> None:
+    response = await client.get("/batches/nope", params={"wait": "abc"})
+    assert response.status_code == 422 and "query.wait" in response.json()["detail"]
+
+
 async def test_envs_and_health(client: httpx.AsyncClient) -> None:
     envs = (await client.get("/envs")).json()
     shop = next(env for env in envs if env["name"] == "builtin/shop")
@@ -178,6 +284,10 @@ async def test_envs_and_health(client: httpx.AsyncClient) -> None:
     assert (await client.get("/health")).json() == {"status": "ok", "database": "ok"}
     ready = await client.get("/ready")
     assert ready.status_code == 200 and ready.json()["engine"] == "ok"
+    for probe in ("/health", "/ready"):  # HEAD, as some probes send it: GET's status, no body
+        head = await client.head(probe)
+        assert head.status_code == 200 and head.content == b"", probe
+        assert head.headers["content-type"] == "application/json"
 
 
 async def test_long_poll_returns_when_complete(client: httpx.AsyncClient) -> None:
@@ -216,6 +326,51 @@ async def test_pause_and_continue_reach_every_worker(
     assert (await client.post("/engine/continue")).status_code == 200
     assert not sim[0]._paused
     assert (await client.post("/engine/pause", json={"mode": "sideways"})).status_code == 422
+
+
+PAUSE_LIMIT_SECONDS = 1.0
+
+
+def paused_gauge(metrics: httpx.Response) -> float:
+    line = next(line for line in metrics.text.splitlines() if line.startswith("rollout_engine_paused "))
+    return float(line.split()[1])
+
+
+async def test_a_pause_shows_and_ends_by_itself_at_the_limit(
+    database_url: str, sim: tuple[SimWorker, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trainer that pauses generation and dies leaves it paused no longer than MAX_PAUSE_SECONDS;
+    meanwhile /ready says so and /metrics' rollout_engine_paused is 1."""
+    caplog.set_level(logging.WARNING, logger="service.app_state")
+    settings = service_settings(database_url, sim[1], run_worker=False, max_pause_seconds=PAUSE_LIMIT_SECONDS)
+    async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        assert paused_gauge(await http.get("/metrics")) == 0
+        assert (await http.post("/engine/pause", json={"mode": "retract"})).status_code == 200
+        assert sim[0]._paused
+        ready = await http.get("/ready")
+        assert ready.status_code == 503 and ready.headers["retry-after"]
+        assert "generation paused by POST /engine/pause" in ready.json()["detail"], ready.text
+        assert paused_gauge(await http.get("/metrics")) == 1
+
+        await until(lambda: not sim[0]._paused, timeout_seconds=10 * PAUSE_LIMIT_SECONDS)
+        assert (await http.get("/ready")).status_code == 200
+        assert paused_gauge(await http.get("/metrics")) == 0
+    resumed = [r.getMessage() for r in caplog.records if "MAX_PAUSE_SECONDS" in r.getMessage()]
+    assert len(resumed) == 1 and "resumed it on 1 workers" in resumed[0]
+
+
+async def test_continue_ends_the_pause_and_its_limit(
+    database_url: str, sim: tuple[SimWorker, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="service.app_state")
+    settings = service_settings(database_url, sim[1], run_worker=False, max_pause_seconds=PAUSE_LIMIT_SECONDS)
+    async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        assert (await http.post("/engine/pause", json={"mode": "retract"})).status_code == 200
+        assert (await http.post("/engine/continue")).status_code == 200
+        assert (await http.get("/ready")).status_code == 200
+        assert paused_gauge(await http.get("/metrics")) == 0
+        await asyncio.sleep(1.5 * PAUSE_LIMIT_SECONDS)  # past the limit: it was cancelled, no resume
+    assert not any("MAX_PAUSE_SECONDS" in r.getMessage() for r in caplog.records)
 
 
 async def test_context_overflow_truncates_and_engine_refusal_fails(

@@ -80,7 +80,10 @@ async def test_protected_endpoints_refuse_a_missing_or_wrong_key(
 ) -> None:
     async with httpx.AsyncClient(base_url=keyed_url, timeout=10) as http:
         responses = await protected_requests(http, headers)
+        head_ready = await http.head("/ready", headers=headers)
         assert (await http.get("/health", headers=headers)).status_code == 200
+        assert (await http.head("/health", headers=headers)).status_code == 200
+    assert head_ready.status_code == 401 and head_ready.headers["www-authenticate"] == "Bearer"
     for name, response in responses.items():
         assert response.status_code == 401, (name, response.status_code, response.text)
         assert response.headers["www-authenticate"] == "Bearer", name

@@ -8,7 +8,7 @@ import io
 import json
 import random
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import httpx
@@ -21,11 +21,13 @@ from service.api.presenters import (
     ARROW_STREAM_MEDIA_TYPE,
     BatchStreamResponse,
     arrow_stream,
+    batch_summary_json,
     episode_detail,
-    json_stream,
+    tokens_json_stream,
 )
 from service.api.schemas import EpisodeSummary, EpisodeWithTokens
 from service.app import create_app
+from service.app_state import GroupSummaries
 from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
 from service.serving import serve_app
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
@@ -185,7 +187,7 @@ async def test_the_snapshot_decides_what_is_sent_and_is_released(db: Database) -
         assert await finish_episode(db.sessionmaker, "tests", claim.id, claim.attempt, result(rng, 10))
     checked_out = db.engine.pool.checkedout()
     rows = await open_batch_rows(db, batch_id, chunk_bytes=1)  # an episode a chunk
-    assert rows is not None and rows.episodes == 2
+    assert rows is not None and rows.head.complete_groups == {0: 1, 1: 1}
     # Finished after the pull began: not part of it.
     assert await finish_episode(db.sessionmaker, "tests", claims[2].id, claims[2].attempt, result(rng, 10))
     chunks = [chunk async for chunk in rows.chunks()]
@@ -237,22 +239,61 @@ async def test_a_client_that_goes_away_mid_stream_releases_the_snapshot(db: Data
     assert db.engine.pool.checkedout() == checked_out
 
 
-@pytest.mark.parametrize("include_tokens", [True, False])
-async def test_json_pull_streams_chunk_by_chunk_with_exact_values(db: Database, include_tokens: bool) -> None:
+def assert_matches_stored(entries: list[dict[str, Any]], stored: list[Any], fields: Iterable[str]) -> None:
+    assert [entry["id"] for entry in entries] == [episode.id for episode in stored]
+    for entry, episode in zip(entries, stored, strict=True):
+        # Against the single-episode view, which reads the same row through the ORM.
+        detail = episode_detail(episode).model_dump(mode="json")
+        assert entry == {name: detail[name] for name in fields}
+
+
+async def test_json_token_pull_streams_chunk_by_chunk_with_exact_values(db: Database) -> None:
     batch_id = await finished_batch(db, episodes=5)
     rows = await open_batch_rows(db, batch_id, chunk_bytes=1)  # an episode a chunk
     assert rows is not None
-    sent = await respond(json_stream(rows, include_tokens=include_tokens), disconnect_after=None)
+    sent = await respond(tokens_json_stream(rows), disconnect_after=None)
     bodies = [bytes(message.get("body", b"")) for message in sent if message.get("body")]
-    if include_tokens:
-        assert len(bodies) >= 2 + 5  # the head, a piece per episode, the tail: it was streamed
+    assert len(bodies) >= 2 + 5  # the head, a piece per episode, the tail: it was streamed
     body = json.loads(b"".join(bodies))
     assert (body["total"], body["finished"], body["complete"], body["groups_complete"]) == (5, 5, True, 5)
     async with db.sessionmaker() as session:
         stored = await load_batch_episodes(session, batch_id)
-    assert [entry["id"] for entry in body["episodes"]] == [episode.id for episode in stored]
-    fields = EpisodeWithTokens.model_fields if include_tokens else EpisodeSummary.model_fields
-    for entry, episode in zip(body["episodes"], stored, strict=True):
-        # Against the single-episode view, which reads the same row through the ORM.
-        detail = episode_detail(episode).model_dump(mode="json")
-        assert entry == {name: detail[name] for name in fields}
+    assert_matches_stored(body["episodes"], stored, EpisodeWithTokens.model_fields)
+
+
+async def test_summaries_encode_each_complete_group_once(db: Database) -> None:
+    batch_id, claims = await store_batch(db, groups=3, samples=2, claim=6)
+    rng = random.Random(14)
+    summaries = GroupSummaries()
+
+    async def poll() -> dict[str, Any]:
+        rows = await open_batch_rows(db, batch_id)
+        assert rows is not None
+        try:
+            return dict(json.loads(await batch_summary_json(rows, summaries)))
+        finally:
+            await rows.aclose()
+
+    for claim in claims[:3]:  # group 0 whole, group 1 half
+        assert await finish_episode(db.sessionmaker, "tests", claim.id, claim.attempt, result(rng, 10))
+    first = await poll()
+    assert (first["groups_complete"], first["finished"], first["counts"]["running"]) == (1, 3, 3)
+    assert set(summaries.of(batch_id)) == {0}
+    summaries.add(batch_id, {0: summaries.of(batch_id)[0].replace(b'"reward":', b'"reward":0.0,"x":')})
+    assert "x" in (await poll())["episodes"][0]  # group 0 came from the cache, not the database
+    summaries = GroupSummaries()
+    for claim in claims[3:]:
+        assert await finish_episode(db.sessionmaker, "tests", claim.id, claim.attempt, result(rng, 10))
+    assert len((await poll())["episodes"]) == 6 and set(summaries.of(batch_id)) == {0, 1, 2}
+    async with db.sessionmaker() as session:
+        stored = await load_batch_episodes(session, batch_id)
+    assert_matches_stored((await poll())["episodes"], stored, EpisodeSummary.model_fields)
+
+
+def test_group_summaries_keep_the_recently_polled_batches_within_their_bound() -> None:
+    summaries = GroupSummaries(max_bytes=100)
+    summaries.add("a", {0: b"x" * 60})
+    summaries.add("b", {0: b"y" * 30})
+    assert summaries.of("a")  # a is now the most recently polled
+    summaries.add("c", {0: b"z" * 30})
+    assert summaries.of("b") == {} and summaries.of("a") and summaries.of("c")

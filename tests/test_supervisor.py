@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 from collections import defaultdict
@@ -17,6 +18,7 @@ import pytest
 from service.__main__ import main
 from service.config import Settings
 from service.sim.worker import SimWorker
+from service.sockets import listen
 from service.storage.db import Database
 from service.storage.models import Episode
 from service.supervisor import process_settings
@@ -282,3 +284,34 @@ def test_workers_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--workers", "0"])
     assert exit_.value.code == 2 and "--workers must be at least 1" in capsys.readouterr().err
+
+
+async def test_api_processes_take_every_request_and_the_workers_every_episode(
+    database_url: str, db: Database, tmp_path: Path
+) -> None:
+    settings = SETTINGS | {"serve_workers": 1, "serve_api_processes": 1}
+    async with simulated_sglang(latency_seconds=0.05) as (sim, sglang_url):
+        async with service_process(tmp_path, database_url, sglang_url, "api", **settings) as service:
+            children = await start_processes(service, 2)
+            episode_ids = await submit(service.url, "split", TASKS, SAMPLES)
+            episodes, owners = await run_watching_owners(db, "split")
+            service.terminate()
+            assert await service.wait_exit(EXIT_MARGIN_SECONDS) == 0, service.log_tail()
+
+    assert [episode.id for episode in episodes] == episode_ids
+    for episode in episodes:
+        assert_ran_once(sim, episode)
+    (worker,) = {pid_of(owner) for seen in owners.values() for owner in seen}
+    (api,) = set(children) - {worker}
+    assert any(message.startswith("worker ") for message in messages_of(service, worker))
+    assert not any(message.startswith("worker ") for message in messages_of(service, api))
+    requests = [line for line in service.log_lines() if "POST /episodes" in line["message"]]
+    assert requests and {line["pid"] for line in requests} == {api}, requests
+
+
+def test_connections_to_the_listening_socket_send_at_once() -> None:
+    """No Nagle: a response's body must not wait behind its headers for the client's delayed ACK."""
+    with listen("127.0.0.1", 0) as server, socket.create_connection(server.getsockname()[:2]):
+        accepted, _ = server.accept()
+        with accepted:
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0

@@ -5,12 +5,17 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query
+from fastapi import APIRouter, Header, Path, Query, Response
 
 from service.api.deps import ServicesDep
-from service.api.errors import NotFound, responses
-from service.api.presenters import ARROW_STREAM_MEDIA_TYPE, arrow_stream, json_stream
-from service.api.schemas import BatchOut
+from service.api.errors import DatabaseUnavailable, NotFound, responses
+from service.api.presenters import (
+    ARROW_STREAM_MEDIA_TYPE,
+    arrow_stream,
+    batch_summary_json,
+    tokens_json_stream,
+)
+from service.api.schemas import BATCH_ID_PATTERN, BatchOut
 from service.app_state import Services
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
 from service.storage.batches import batch_unfinished
@@ -35,7 +40,7 @@ async def _wait_until_complete(services: Services, batch_id: str, wait: float) -
     operation_id="get_batch",
     response_model=BatchOut,
     responses={
-        **responses(NotFound),
+        **responses(NotFound, DatabaseUnavailable),
         200: {
             "description": "The batch as JSON, or with `Accept: application/vnd.apache.arrow.stream` an "
             "Arrow IPC stream with one row per episode of the complete groups, token arrays included.",
@@ -45,7 +50,7 @@ async def _wait_until_complete(services: Services, batch_id: str, wait: float) -
 )
 async def get_batch_results(
     services: ServicesDep,
-    batch_id: Annotated[str, Path(max_length=128)],
+    batch_id: Annotated[str, Path(max_length=128, pattern=BATCH_ID_PATTERN)],
     wait: Annotated[
         float, Query(ge=0, description="Long-poll: seconds to wait for the batch to complete.")
     ] = 0,
@@ -58,7 +63,16 @@ async def get_batch_results(
     # JSON token pulls weigh about three times their blobs: smaller chunks hold as much in memory.
     arrow = ARROW_STREAM_MEDIA_TYPE in accept
     chunk_bytes = CHUNK_BYTES if arrow else CHUNK_BYTES // JSON_SIZE_FACTOR
-    rows = await open_batch_rows(services.database, batch_id, chunk_bytes=chunk_bytes)
+    summary = not arrow and not include_tokens
+    rows = await open_batch_rows(services.database, batch_id, chunk_bytes=chunk_bytes, snapshot=not summary)
     if rows is None:  # decided before the stream starts: past its status line it cannot be a 404
         raise NotFound(f"no batch {batch_id!r}")
-    return arrow_stream(rows) if arrow else json_stream(rows, include_tokens=include_tokens)
+    if arrow:
+        return arrow_stream(rows)
+    if include_tokens:
+        return tokens_json_stream(rows)
+    try:
+        body = await batch_summary_json(rows, services.summaries)
+    finally:
+        await rows.aclose()
+    return Response(body, media_type="application/json")

@@ -18,7 +18,7 @@ router = APIRouter(prefix="/engine", tags=["engine"])
 
 
 class PauseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     mode: Literal["abort", "retract", "in_place"] = Field(
         default="retract",
@@ -54,7 +54,9 @@ async def engine_workers(services: ServicesDep) -> WorkersOut:
     "/pause", operation_id="pause_generation", response_model=ControlResult, responses=responses(NotReady)
 )
 async def pause_generation(body: PauseRequest, services: ServicesDep) -> ControlResult:
-    """POST /pause_generation on every worker."""
+    """POST /pause_generation on every worker. Until POST /engine/continue, /ready answers 503; past
+    MAX_PAUSE_SECONDS the service resumes generation itself."""
+    services.pause.started()  # even if some workers refuse: the limit resumes those that paused
     return await _fan_out(services, "/pause_generation", {"mode": body.mode})
 
 
@@ -66,4 +68,6 @@ async def pause_generation(body: PauseRequest, services: ServicesDep) -> Control
 )
 async def continue_generation(services: ServicesDep) -> ControlResult:
     """POST /continue_generation on every worker."""
-    return await _fan_out(services, "/continue_generation", {})
+    result = await _fan_out(services, "/continue_generation", {})
+    services.pause.ended()  # only once every worker took it: else the limit still resumes them
+    return result

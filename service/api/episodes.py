@@ -10,15 +10,36 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, status
 
 from service.api.deps import ReadSessionDep, ServicesDep
-from service.api.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge, responses
+from service.api.errors import (
+    Conflict,
+    DatabaseUnavailable,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    responses,
+)
 from service.api.presenters import episode_detail
-from service.api.schemas import EpisodeDetail, SubmitAccepted, SubmitEpisodes
+from service.api.schemas import ID_PATTERN, EpisodeDetail, SubmitAccepted, SubmitEpisodes
 from service.app_state import Services
 from service.records import EpisodeRequest
 from service.storage.batches import BatchConflict, NewBatch, NewEpisode, submit_batch
 from service.storage.models import Episode
 
 router = APIRouter(tags=["episodes"])
+
+# Where an accepted submission is read back (OpenAPI links: documentation, and stateful tests).
+SUBMIT_LINKS = {
+    "batch": {
+        "operationId": "get_batch",
+        "parameters": {"batch_id": "$response.body#/batch_id"},
+        "description": "The batch, as it runs and once complete.",
+    },
+    "first_episode": {
+        "operationId": "get_episode",
+        "parameters": {"episode_id": "$response.body#/episode_ids/0"},
+        "description": "One of its episodes (any of episode_ids).",
+    },
+}
 
 
 def request_hash(body: SubmitEpisodes) -> str:
@@ -82,7 +103,10 @@ def new_batch(body: SubmitEpisodes) -> NewBatch:
     operation_id="submit_episodes",
     status_code=status.HTTP_202_ACCEPTED,
     response_model=SubmitAccepted,
-    responses=responses(InvalidRequest, Conflict, PayloadTooLarge),
+    responses={
+        **responses(InvalidRequest, Conflict, PayloadTooLarge, DatabaseUnavailable),
+        202: {"links": SUBMIT_LINKS},
+    },
 )
 async def submit_episodes(body: SubmitEpisodes, services: ServicesDep) -> SubmitAccepted:
     """Queue `samples_per_task` episodes of each task; the samples of one task form one group."""
@@ -101,7 +125,9 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep) -> Submit
     )
 
 
-async def valid_episode(episode_id: Annotated[str, Path(max_length=128)], session: ReadSessionDep) -> Episode:
+async def valid_episode(
+    episode_id: Annotated[str, Path(max_length=128, pattern=ID_PATTERN)], session: ReadSessionDep
+) -> Episode:
     episode = await session.get(Episode, episode_id)
     if episode is None:
         raise NotFound(f"no episode {episode_id!r}")
@@ -112,7 +138,7 @@ async def valid_episode(episode_id: Annotated[str, Path(max_length=128)], sessio
     "/episodes/{episode_id}",
     operation_id="get_episode",
     response_model=EpisodeDetail,
-    responses=responses(NotFound),
+    responses=responses(NotFound, DatabaseUnavailable),
 )
 async def get_episode(episode: Annotated[Episode, Depends(valid_episode)]) -> EpisodeDetail:
     """One episode with its token arrays as JSON lists, its transcript, env info and turns."""

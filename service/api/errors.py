@@ -1,26 +1,49 @@
-"""The service's errors: each carries its HTTP status; one handler renders them all alike."""
+"""The service's errors: each carries its HTTP status; one handler renders them all alike, and every
+other failure (a database outage, a bug, in a route or in middleware) is rendered the same way."""
 
 from __future__ import annotations
 
+import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
+import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.api.values import escaped
+from service.storage.errors import database_unavailable
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 5  # a 503's Retry-After: about how long a database or engine restart takes
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class FieldError(BaseModel):
+    """One problem of the request: where (`loc`, e.g. ["body", "metadata", "foo", 2]) and what."""
+
+    loc: list[str | int] = Field(description="body, query, path or header, then field names and indices.")
+    msg: str
+    type: str = Field(description="A machine-readable kind, e.g. int_type, missing, lone_surrogate.")
 
 
 class ErrorBody(BaseModel):
     """Every 4xx/5xx answer: `detail` says what is wrong; `errors` lists field problems."""
 
     detail: str
-    errors: list[dict[str, Any]] = []
+    errors: list[FieldError] = []
 
 
 class ServiceError(Exception):
     status_code = 500
     description = "Internal error"
+    retry_after_seconds: int | None = None  # set: the answer carries Retry-After (retry, not a bug)
 
     def __init__(self, detail: str, errors: list[dict[str, Any]] | None = None) -> None:
         super().__init__(detail)
@@ -40,12 +63,18 @@ class Conflict(ServiceError):
 
 class InvalidRequest(ServiceError):
     status_code = 422
-    description = "Invalid request"
+    description = "Invalid request: `detail` and `errors` name each field and its problem"
 
     @classmethod
-    def field(cls, location: list[str | int], message: str) -> InvalidRequest:
-        path = ".".join(str(part) for part in location)
-        return cls(f"{path}: {message}", [{"loc": ["body", *location], "msg": message}])
+    def field(cls, location: list[str | int], message: str, kind: str = "value_error") -> InvalidRequest:
+        return cls(
+            f"{field_path(location)}: {message}", [{"loc": ["body", *location], "msg": message, "type": kind}]
+        )
+
+
+class BodyUnparseable(ServiceError):
+    status_code = 400
+    description = "The body is not JSON text: not UTF-8, or nested too deeply to parse"
 
 
 class PayloadTooLarge(ServiceError):
@@ -55,46 +84,152 @@ class PayloadTooLarge(ServiceError):
 
 class Unauthorized(ServiceError):
     status_code = 401
-    description = "Missing or wrong API key"
+    description = "Missing or wrong API key (when API_KEYS is set)"
 
 
 class NotReady(ServiceError):
     status_code = 503
     description = "A dependency is unreachable"
+    retry_after_seconds = RETRY_AFTER_SECONDS
+
+
+class DatabaseUnavailable(ServiceError):
+    status_code = 503
+    description = "The database is unreachable or overloaded: retry after Retry-After seconds"
+    retry_after_seconds = RETRY_AFTER_SECONDS
+
+
+def field_path(location: Sequence[str | int]) -> str:
+    """A location as one readable path: metadata.foo[2], metadata["a b"], sampling_params.stop[0]."""
+    path = ""
+    for part in location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _NAME.match(part):
+            path += f".{part}" if path else part
+        else:
+            path += '["' + escaped(part).replace('"', '\\"') + '"]'
+    return path or "body"
+
+
+def _headers(error: type[ServiceError]) -> dict[str, Any]:
+    headers: dict[str, Any] = {}
+    if error.retry_after_seconds is not None:
+        headers["Retry-After"] = {
+            "description": "Seconds to wait before retrying.",
+            "schema": {"type": "integer"},
+        }
+    if issubclass(error, Unauthorized):
+        headers["WWW-Authenticate"] = {"description": "Bearer", "schema": {"type": "string"}}
+    return headers
 
 
 def responses(*errors: type[ServiceError]) -> dict[int | str, dict[str, Any]]:
-    """The `responses=` entry of a route that may raise these errors."""
-    return {error.status_code: {"model": ErrorBody, "description": error.description} for error in errors}
+    """The `responses=` entry of a route that may raise these errors (those of one status: one entry)."""
+    documented: dict[int | str, dict[str, Any]] = {}
+    for error in errors:
+        entry = documented.setdefault(error.status_code, {"model": ErrorBody, "description": ""})
+        entry["description"] = "; or ".join(filter(None, [entry["description"], error.description]))
+        if headers := _headers(error):
+            entry["headers"] = entry.get("headers", {}) | headers
+    return documented
 
 
 def error_response(error: ServiceError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if isinstance(error, Unauthorized) else None
-    body = ErrorBody(detail=error.detail, errors=error.errors)
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(error, Unauthorized) else {}
+    if error.retry_after_seconds is not None:
+        headers["Retry-After"] = str(error.retry_after_seconds)
+    problems = [
+        FieldError(
+            # A key of the request may hold a lone surrogate, which no JSON answer can encode.
+            loc=[escaped(part) if isinstance(part, str) else part for part in problem.get("loc", [])],
+            msg=escaped(str(problem.get("msg", ""))),
+            type=str(problem.get("type", "value_error")),
+        )
+        for problem in error.errors
+    ]
+    body = ErrorBody(detail=escaped(error.detail), errors=problems)
     return JSONResponse(body.model_dump(), status_code=error.status_code, headers=headers)
 
 
+def _validation_message(item: dict[str, Any]) -> str:
+    message = str(item["msg"])
+    if item["type"] == "json_invalid" and "error" in item.get("ctx", {}):
+        return f"{message}: {item['ctx']['error']} at character {item['loc'][-1]}"
+    return message
+
+
+def _unparseable(cause: BaseException) -> BodyUnparseable:
+    """What FastAPI's "There was an error parsing the body" was (the JSON parser's error)."""
+    if isinstance(cause, UnicodeDecodeError):
+        message = f"not UTF-8: {cause.reason} at byte {cause.start}"
+    elif isinstance(cause, RecursionError):
+        message = "nested too deeply to parse"
+    else:
+        message = f"not JSON: {cause}"
+    return BodyUnparseable(
+        f"request body {message}", [{"loc": ["body"], "msg": message, "type": "body_unparseable"}]
+    )
+
+
+async def _handle_service_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, ServiceError)
+    return error_response(error)
+
+
+async def _handle_validation_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, RequestValidationError)
+    problems = [
+        {"loc": list(item["loc"]), "msg": _validation_message(item), "type": item["type"]}
+        for item in error.errors()
+    ]
+    summary = "; ".join(f"{_where(item)}: {item['msg']}" for item in problems)
+    return error_response(InvalidRequest(summary, problems))
+
+
+def _where(problem: dict[str, Any]) -> str:
+    if problem["type"] == "json_invalid":  # its location is a character of the body, not a field
+        return "body"
+    return field_path([part for part in problem["loc"] if part != "body"])
+
+
+async def _handle_http_exception(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, StarletteHTTPException)
+    if error.status_code == 400 and error.__cause__ is not None:  # FastAPI's, raised from the parser's
+        return error_response(_unparseable(error.__cause__))
+    body = ErrorBody(detail=str(error.detail))
+    return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
+
+
+def _failure(request: Request, error: Exception) -> ServiceError:
+    if database_unavailable(error):
+        logger.warning(
+            "%s %s: the database is unavailable: %s: %s", request.method, request.url.path,
+            type(error).__name__, error,
+        )  # fmt: skip
+        return DatabaseUnavailable(f"the database is unavailable ({type(error).__name__}); retry later")
+    return ServiceError("internal error: the service failed to answer (it logged why)")
+
+
+async def _handle_database_error(request: Request, error: Exception) -> JSONResponse:
+    """A database (or socket) error in a route: an outage is a 503; anything else is a bug."""
+    failure = _failure(request, error)
+    if not isinstance(failure, DatabaseUnavailable):
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+    return error_response(failure)
+
+
+async def _handle_unexpected(request: Request, error: Exception) -> JSONResponse:
+    """Whatever else escaped, middleware included. The server logs its traceback (Starlette raises
+    it on after this answer), so it is not logged here."""
+    return error_response(_failure(request, error))
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    async def handle_service_error(request: Request, error: Exception) -> JSONResponse:
-        assert isinstance(error, ServiceError)
-        return error_response(error)
-
-    async def handle_validation_error(request: Request, error: Exception) -> JSONResponse:
-        assert isinstance(error, RequestValidationError)
-        problems = [
-            {"loc": list(item["loc"]), "msg": item["msg"], "type": item["type"]} for item in error.errors()
-        ]
-        summary = "; ".join(
-            f"{'.'.join(str(part) for part in item['loc'] if part != 'body') or 'body'}: {item['msg']}"
-            for item in problems
-        )
-        return error_response(InvalidRequest(summary, problems))
-
-    async def handle_http_exception(request: Request, error: Exception) -> JSONResponse:
-        assert isinstance(error, StarletteHTTPException)
-        body = ErrorBody(detail=str(error.detail))
-        return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
-
-    app.add_exception_handler(ServiceError, handle_service_error)
-    app.add_exception_handler(StarletteHTTPException, handle_http_exception)
-    app.add_exception_handler(RequestValidationError, handle_validation_error)
+    app.add_exception_handler(ServiceError, _handle_service_error)
+    app.add_exception_handler(StarletteHTTPException, _handle_http_exception)
+    app.add_exception_handler(RequestValidationError, _handle_validation_error)
+    # Inside the routes' error handling, so that an outage is answered without a traceback per request.
+    for database_error in (SQLAlchemyError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        app.add_exception_handler(database_error, _handle_database_error)
+    app.add_exception_handler(Exception, _handle_unexpected)  # outermost: Starlette's ServerErrorMiddleware

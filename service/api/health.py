@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 
 from service.api.deps import ServicesDep
-from service.api.errors import NotReady, responses
+from service.api.errors import DatabaseUnavailable, NotReady, responses
 from service.api.schemas import HealthOut, ReadyOut
 from service.metrics import PROMETHEUS_MEDIA_TYPE
 from service.storage.batches import status_counts
@@ -13,33 +13,53 @@ from service.storage.batches import status_counts
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/health", operation_id="health", response_model=HealthOut)
 async def health(services: ServicesDep) -> HealthOut:
     """Liveness: 200 while the process serves, answered from memory (no query, whatever the load).
     `database` is what this process last saw of the database; /ready asks it."""
     return HealthOut(status="ok", database=services.database.status.describe())
 
 
-@router.get("/ready", operation_id="ready", response_model=ReadyOut, responses=responses(NotReady))
 async def ready(services: ServicesDep) -> ReadyOut:
-    """200 when the database and the SGLang engine both answer; 503 otherwise."""
+    """200 when the database and the SGLang engine both answer and generation is not paused
+    (POST /engine/pause); 503 otherwise."""
     database = await services.database.check()
     engine = "ok" if await services.engine.health() else f"unreachable: {services.settings.sglang_url}"
     if database != "ok" or engine != "ok":
         raise NotReady(f"not ready: database {database}; engine {engine}")
+    if services.pause.paused:
+        raise NotReady(f"not ready: {services.pause.describe()}")
     return ReadyOut(ready=True, database=database, engine=engine)
+
+
+# HEAD as GET (the server sends no body), for probes that use it; each method its own operation.
+for method in ("GET", "HEAD"):
+    suffix = "" if method == "GET" else "_head"
+    router.add_api_route(
+        "/health", health, methods=[method], operation_id=f"health{suffix}", response_model=HealthOut
+    )
+    router.add_api_route(
+        "/ready",
+        ready,
+        methods=[method],
+        operation_id=f"ready{suffix}",
+        response_model=ReadyOut,
+        responses=responses(NotReady),
+    )
 
 
 @router.get(
     "/metrics",
     operation_id="metrics",
     response_class=Response,
-    responses={200: {"content": {PROMETHEUS_MEDIA_TYPE: {"schema": {"type": "string"}}}}},
+    responses={
+        200: {"content": {PROMETHEUS_MEDIA_TYPE: {"schema": {"type": "string"}}}},
+        **responses(DatabaseUnavailable),
+    },
 )
 async def metrics(services: ServicesDep) -> Response:
     """Prometheus text format: episodes by status, turns, tokens, latencies, queue depth, in flight."""
     async with services.database.reader() as session:
         counts = await status_counts(session)
     running = len(services.worker.running) if services.worker is not None else 0
-    body = services.metrics.render(counts, running, services.engine.inflight)
+    body = services.metrics.render(counts, running, services.engine.inflight, paused=services.pause.paused)
     return Response(body, media_type=PROMETHEUS_MEDIA_TYPE)

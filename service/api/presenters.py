@@ -21,6 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from service.api.schemas import BatchOut, EpisodeDetail
+from service.app_state import GroupSummaries
 from service.records import FINISHED_STATUSES, TurnRecord
 from service.storage import blobs
 from service.storage.batch_rows import BatchHead, BatchRows, EpisodeColumns
@@ -112,26 +113,40 @@ def _byte_length(size: int | None, width: int) -> int | None:
     return None if size is None else size // width
 
 
-def summaries_json(rows: Sequence[Row[Any]]) -> bytes:
-    """Some episodes' summaries (EpisodeSummary, from SUMMARY_SELECTED rows) as JSON list items."""
-    return b",".join(
-        orjson.dumps(
-            {
-                "id": row.id,
-                "status": row.status,
-                "reward": row.reward,
-                "group_index": row.group_index,
-                "sample_index": row.sample_index,
-                "task_index": row.task_index,
-                "attempt": row.attempt,
-                "num_turns": row.num_turns,
-                "prompt_length": _byte_length(row.prompt_bytes, blobs.ID_BYTES),
-                "response_length": _byte_length(row.response_bytes, blobs.ID_BYTES),
-                "error": row.error,
-            }
-        )
-        for row in rows
-    )
+def group_summaries_json(rows: Sequence[Row[Any]]) -> dict[int, bytes]:
+    """Whole groups' episode summaries (EpisodeSummary, from SUMMARY_SELECTED rows by group then
+    sample) as JSON list items, by group index."""
+    items: dict[int, list[bytes]] = {}
+    for row in rows:
+        item = {
+            "id": row.id,
+            "status": row.status,
+            "reward": row.reward,
+            "group_index": row.group_index,
+            "sample_index": row.sample_index,
+            "task_index": row.task_index,
+            "attempt": row.attempt,
+            "num_turns": row.num_turns,
+            "prompt_length": _byte_length(row.prompt_bytes, blobs.ID_BYTES),
+            "response_length": _byte_length(row.response_bytes, blobs.ID_BYTES),
+            "error": row.error,
+        }
+        items.setdefault(row.group_index, []).append(orjson.dumps(item))
+    return {group: b",".join(texts) for group, texts in items.items()}
+
+
+async def batch_summary_json(rows: BatchRows, summaries: GroupSummaries) -> bytes:
+    """The batch as JSON (BatchOut) with its complete groups' summaries: those of earlier polls from
+    `summaries`, the others read from `rows` and added to it."""
+    head, tail = batch_json_head(rows.head)
+    batch_id, complete = rows.head.batch_id, rows.head.complete_groups
+    groups = summaries.of(batch_id)
+    missing = [group for group in complete if group not in groups]
+    async for chunk in rows.summaries(missing):
+        encoded = await asyncio.to_thread(group_summaries_json, chunk)
+        summaries.add(batch_id, encoded)
+        groups.update(encoded)
+    return head + b",".join(groups[group] for group in complete) + tail
 
 
 def _numbers(blob: bytes | None, dtype: str) -> np.ndarray[Any, Any] | None:
@@ -336,12 +351,15 @@ def arrow_stream(rows: BatchRows) -> BatchStreamResponse:
     )
 
 
-def json_stream(rows: BatchRows, *, include_tokens: bool) -> BatchStreamResponse:
-    """The batch as JSON (BatchOut): its episodes' summaries, or with their token arrays."""
+def tokens_json_stream(rows: BatchRows) -> BatchStreamResponse:
+    """The batch as JSON (BatchOut) with its episodes' token arrays (EpisodeWithTokens)."""
     head, tail = batch_json_head(rows.head)
-    chunks, encode = (
-        (rows.chunks(), episodes_with_tokens_json) if include_tokens else (rows.summaries(), summaries_json)
-    )
     return BatchStreamResponse(
-        rows, chunks, encode, head=head, tail=tail, separator=b",", media_type="application/json"
+        rows,
+        rows.chunks(),
+        episodes_with_tokens_json,
+        head=head,
+        tail=tail,
+        separator=b",",
+        media_type="application/json",
     )

@@ -3,42 +3,68 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from service.api.values import JSON_INTEGER, MAX_JSON_DEPTH, Integer, Text, field_error, storable_json
 from service.records import DEFAULT_MAX_NEW_TOKENS, EpisodeStatus, TurnRecord
 
+# Batch ids, and the ids the service generates (uuid hex): ASCII, so that any database stores them.
 BATCH_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+ID_PATTERN = BATCH_ID_PATTERN
 MAX_TURNS_LIMIT = 1000
 INT32_MAX = 2**31 - 1  # integers are stored as 32-bit columns
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+# Request bodies are strict: `true` is not 1 and "0.7" is not a number (an integer is a number).
+REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 
 class SamplingParams(BaseModel):
     """SGLang sampling parameters of every turn; unknown names are refused, not silently dropped."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = REQUEST_CONFIG
 
-    max_new_tokens: int = Field(default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=1_000_000, description="Per turn.")
+    max_new_tokens: Integer = Field(
+        default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=1_000_000, description="Per turn."
+    )
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=-1, ge=-1, description="-1: off.")
+    top_k: Integer = Field(default=-1, ge=-1, le=INT32_MAX, description="-1: off.")
     min_p: float = Field(default=0.0, ge=0, le=1)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = Field(default=1.0, gt=0)
-    stop: list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
+    stop: list[StopString] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX), JSON_INTEGER]] | None = Field(
+        default=None, max_length=MAX_STOP_TOKEN_IDS
+    )
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    min_new_tokens: int = Field(default=0, ge=0)
+    min_new_tokens: Integer = Field(default=0, ge=0, description="At most max_new_tokens.")
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> Self:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise field_error(
+                ["min_new_tokens"],
+                "min_new_tokens_above_max",
+                f"min_new_tokens ({self.min_new_tokens}) is above max_new_tokens ({self.max_new_tokens})",
+                self.min_new_tokens,
+            )
+        return self
 
     def to_sglang(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
 
 
 class SubmitEpisodes(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     batch_id: str | None = Field(
         default=None,
@@ -46,19 +72,27 @@ class SubmitEpisodes(BaseModel):
         description="Idempotency key; generated if absent. The same batch_id with the same body "
         "answers the same episodes; with another body, 409.",
     )
-    env: str = Field(description="An environment name from GET /envs.")
-    task_split: str = Field(default="test", description="A split of that environment.")
-    task_indices: list[int] = Field(min_length=1, description="Tasks to run; each is one group.")
-    samples_per_task: int = Field(default=1, ge=1, le=1024, description="Episodes per task (a GRPO group).")
+    env: Text = Field(description="An environment name from GET /envs.")
+    task_split: Text = Field(default="test", description="A split of that environment.")
+    task_indices: list[Annotated[int, Field(ge=0), JSON_INTEGER]] = Field(
+        min_length=1, description="Tasks to run (indices in the split); each is one group."
+    )
+    samples_per_task: Integer = Field(
+        default=1, ge=1, le=1024, description="Episodes per task (a GRPO group)."
+    )
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
-    max_turns: int = Field(default=30, ge=1, le=MAX_TURNS_LIMIT, description="Generate calls per episode.")
-    max_response_tokens: int | None = Field(
+    max_turns: Integer = Field(
+        default=30, ge=1, le=MAX_TURNS_LIMIT, description="Generate calls per episode."
+    )
+    max_response_tokens: Annotated[int, Field(ge=1, le=INT32_MAX), JSON_INTEGER] | None = Field(
         default=None,
-        ge=1,
-        le=INT32_MAX,
         description="Budget of response tokens (sampled and context) per episode.",
     )
-    metadata: dict[str, Any] = Field(default_factory=dict, description="Echoed back with the batch.")
+    metadata: Annotated[dict[str, Any], AfterValidator(storable_json)] = Field(
+        default_factory=dict,
+        description="Echoed back with the batch: JSON of finite numbers and Unicode text, nested at most "
+        f"{MAX_JSON_DEPTH} levels.",
+    )
 
 
 class SubmitAccepted(BaseModel):

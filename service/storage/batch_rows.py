@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Row, Text, cast, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from service.records import EpisodeStatus, complete_groups
+from service.records import FINISHED_STATUSES, EpisodeStatus
 from service.storage.db import IN_LIST_CHUNK, Database
 from service.storage.models import TOKEN_COLUMNS, Batch, Episode
 
@@ -91,28 +91,40 @@ class BatchHead:
     created_at: datetime
     counts: dict[str, int]  # every status a key
     groups_total: int
-    groups_complete: int
+    complete_groups: dict[int, int]  # group index -> its episodes, for the complete groups, in order
+
+    @property
+    def groups_complete(self) -> int:
+        return len(self.complete_groups)
 
 
 class BatchRows:
-    """The episodes of a batch's complete groups in one read snapshot, held open until `aclose()`:
-    which episodes they are was decided when it was opened, and `chunks()` reads them."""
+    """A batch in one read snapshot, held open until `aclose()`: its head, and the episodes of the
+    groups that were complete when it was opened, which `chunks()` and `summaries()` read."""
 
     def __init__(
-        self, session: AsyncSession, connection: AsyncConnection, head: BatchHead, plan: list[list[str]]
+        self, session: AsyncSession, connection: AsyncConnection, head: BatchHead, chunk_bytes: int
     ) -> None:
         self._session = session
         self._connection = connection
         self.head = head
-        self._plan = plan  # episode ids per chunk, in order
+        self._chunk_bytes = chunk_bytes
 
-    @property
-    def episodes(self) -> int:
-        return sum(len(ids) for ids in self._plan)
+    async def _plan(self) -> list[list[str]]:
+        """The episode ids of the complete groups in order, in chunks of about `chunk_bytes`."""
+        rows = await self._connection.execute(
+            select(Episode.id, Episode.group_index, _TOKEN_BYTES.label("token_bytes"))
+            .where(Episode.batch_id == self.head.batch_id)
+            .order_by(Episode.group_index, Episode.sample_index)
+        )
+        complete = self.head.complete_groups
+        return _chunk_plan(
+            [(row.id, row.token_bytes) for row in rows if row.group_index in complete], self._chunk_bytes
+        )
 
     async def chunks(self) -> AsyncIterator[EpisodeColumns]:
-        """The episodes in order, a chunk of about CHUNK_BYTES of token arrays at a time."""
-        for ids in self._plan:
+        """The episodes in order, a chunk of about `chunk_bytes` of token arrays at a time."""
+        for ids in await self._plan():
             rows: list[Row[Any]] = list(
                 await self._connection.execute(select(*_SELECTED).where(Episode.id.in_(ids)))
             )
@@ -120,16 +132,28 @@ class BatchRows:
             rows.sort(key=lambda row: position[row[0]])  # by primary key: no server-side sort of blobs
             yield EpisodeColumns(*zip(*rows, strict=True))
 
-    async def summaries(self) -> AsyncIterator[list[Row[Any]]]:
-        """The episodes' summaries (SUMMARY_SELECTED) in order, up to IN_LIST_CHUNK at a time."""
-        ids = [episode_id for chunk in self._plan for episode_id in chunk]
-        for start in range(0, len(ids), IN_LIST_CHUNK):
-            chunk = ids[start : start + IN_LIST_CHUNK]
-            statement = select(*SUMMARY_SELECTED).where(Episode.id.in_(chunk))
-            rows = list(await self._connection.execute(statement))
-            position = {episode_id: index for index, episode_id in enumerate(chunk)}
-            rows.sort(key=lambda row: position[row.id])
-            yield rows
+    async def summaries(self, groups: Sequence[int]) -> AsyncIterator[list[Row[Any]]]:
+        """The summaries (SUMMARY_SELECTED) of the episodes of `groups` (complete ones), by group
+        then sample, whole groups of about IN_LIST_CHUNK episodes at a time."""
+        sizes = self.head.complete_groups
+        chunk: list[int] = []
+        size = 0
+        for group in groups:
+            if chunk and size + sizes[group] > IN_LIST_CHUNK:
+                yield await self._summary_rows(chunk)
+                chunk, size = [], 0
+            chunk.append(group)
+            size += sizes[group]
+        if chunk:
+            yield await self._summary_rows(chunk)
+
+    async def _summary_rows(self, groups: list[int]) -> list[Row[Any]]:
+        statement = (
+            select(*SUMMARY_SELECTED)
+            .where(Episode.batch_id == self.head.batch_id, Episode.group_index.in_(groups))
+            .order_by(Episode.group_index, Episode.sample_index)
+        )
+        return list(await self._connection.execute(statement))
 
     async def aclose(self) -> None:
         """Ends the read transaction and returns the connection; safe to call more than once."""
@@ -152,45 +176,57 @@ def _chunk_plan(ids_and_sizes: Sequence[tuple[str, int]], chunk_bytes: int) -> l
 
 
 async def open_batch_rows(
-    database: Database, batch_id: str, *, chunk_bytes: int = CHUNK_BYTES
+    database: Database, batch_id: str, *, chunk_bytes: int = CHUNK_BYTES, snapshot: bool = True
 ) -> BatchRows | None:
-    """Opens a read snapshot of the batch and decides which episodes it sends (those of complete
-    groups, in order); None, with nothing left open, if there is no such batch.
+    """Opens a read snapshot of the batch and reads its head: its counts, and which groups are
+    complete (their episodes are the ones it sends); None, with nothing left open, if there is no
+    such batch.
 
     One snapshot: on PostgreSQL a REPEATABLE READ transaction, on SQLite a deferred read
     transaction of WAL mode. So the chunks read later are exactly the episodes decided here, with
-    the values they had then, whatever finishes meanwhile.
+    the values they had then, whatever finishes meanwhile. `snapshot=False` spares PostgreSQL the
+    transaction (each statement then reads the latest commits) for reads that need none: the
+    summaries of complete groups, which never change once complete.
     """
     session = database.reader()
     try:
-        options = {}
+        options: dict[str, Any] = {}
         if database.engine.dialect.name == "postgresql":
-            options = {"isolation_level": "REPEATABLE READ", "postgresql_readonly": True}
+            options = (
+                {"isolation_level": "REPEATABLE READ", "postgresql_readonly": True}
+                if snapshot
+                else {"isolation_level": "AUTOCOMMIT"}
+            )
         connection = await session.connection(execution_options=options)
         batch = (await connection.execute(select(Batch.__table__).where(Batch.id == batch_id))).first()
         if batch is None:
             await session.close()
             return None
-        rows = (
-            await connection.execute(
-                select(Episode.id, Episode.group_index, Episode.status, _TOKEN_BYTES.label("token_bytes"))
-                .where(Episode.batch_id == batch_id)
-                .order_by(Episode.group_index, Episode.sample_index)
-            )
-        ).all()
+        # Counted by the database: one row per group and status, not one per episode.
+        rows = await connection.execute(
+            select(Episode.group_index, Episode.status, func.count().label("episodes"))
+            .where(Episode.batch_id == batch_id)
+            .group_by(Episode.group_index, Episode.status)
+        )
     except BaseException:
         await session.close()
         raise
-    groups = complete_groups((row.group_index, row.status) for row in rows)
-    plan = _chunk_plan([(row.id, row.token_bytes) for row in rows if row.group_index in groups], chunk_bytes)
+    counts = {status.value: 0 for status in EpisodeStatus}
+    sizes: Counter[int] = Counter()
+    unfinished: set[int] = set()
+    for group, status, episodes in rows:
+        counts[status] += episodes
+        sizes[group] += episodes
+        if status not in FINISHED_STATUSES:
+            unfinished.add(group)
     head = BatchHead(
         batch_id=batch.id,
         env=batch.env,
         task_split=batch.task_split,
         metadata=batch.metadata,
         created_at=batch.created_at,
-        counts={status.value: 0 for status in EpisodeStatus} | Counter(row.status for row in rows),
-        groups_total=len({row.group_index for row in rows}),
-        groups_complete=len(groups),
+        counts=counts,
+        groups_total=len(sizes),
+        complete_groups={group: sizes[group] for group in sorted(sizes) if group not in unfinished},
     )
-    return BatchRows(session, connection, head, plan)
+    return BatchRows(session, connection, head, chunk_bytes)

@@ -1,0 +1,119 @@
+"""Schemathesis against the running service, on SQLite and PostgreSQL: generated requests of every
+operation in openapi.yaml, valid and invalid, must get no 5xx and only answers the contract
+documents (status, content type, headers, body schema), with API keys set."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from starlette.types import ASGIApp
+
+from service.app import create_app
+from service.records import DEFAULT_MAX_NEW_TOKENS
+from service.serving import serve_app
+from service.sim.worker import SimWorker
+from tests.conftest import service_settings
+
+SPEC = Path(__file__).resolve().parents[1] / "openapi.yaml"
+API_KEY = "schemathesis-key"
+MAX_EXAMPLES = 40  # per operation (fuzzing phase): about 35 s per database on the 2-core machine
+MAX_EPISODES = 8  # per request (the service's limit here): accepted batches stay short
+ENV, SPLIT, TASKS = "builtin/shop", "test", 50
+STATEFUL_EXAMPLES = 20  # scenarios of submit, then read back
+START_TIMEOUT_SECONDS = 60.0
+
+
+@contextmanager
+def served_in_thread(app: ASGIApp) -> Iterator[str]:
+    """`app` served on a free port by an event loop of its own thread, for a synchronous test."""
+    ready = threading.Event()
+    urls: list[str] = []
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    async def serve() -> None:
+        async with serve_app(app) as url:
+            urls.append(url)
+            ready.set()
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        if not ready.wait(START_TIMEOUT_SECONDS):
+            raise RuntimeError("the service did not start")
+        yield urls[0]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(START_TIMEOUT_SECONDS)
+        loop.close()
+
+
+@pytest.fixture
+def live_url(database_url: str, sim: tuple[SimWorker, str]) -> Iterator[str]:
+    settings_ = service_settings(
+        database_url,
+        sim[1],
+        api_keys=API_KEY,
+        max_episodes_per_request=MAX_EPISODES,
+        shutdown_timeout_seconds=1.0,
+    )
+    with served_in_thread(create_app(settings_)) as url:
+        yield url
+
+
+schema = schemathesis.openapi.from_path(SPEC)
+schema.config.generation.update(max_examples=MAX_EXAMPLES)
+
+
+@schema.hook
+def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> schemathesis.Case:
+    """A schema-valid submission, made one this deployment takes: the envs, their task counts and
+    the episodes per request are the deployment's, which no static contract can state (it refuses
+    others with a 422 naming the env or task, or a 413), and min_new_tokens <= max_new_tokens is a
+    rule between two fields. Invalid submissions (negative cases) go as generated."""
+    positive = case.meta is not None and case.meta.generation.mode is schemathesis.GenerationMode.POSITIVE
+    if case.operation.label != "POST /episodes" or not positive or not isinstance(case.body, dict):
+        return case
+    body = dict(case.body)
+    tasks = [index % TASKS for index in body["task_indices"]][:MAX_EPISODES]
+    samples = min(body.get("samples_per_task", 1), MAX_EPISODES // len(tasks))
+    body.update(env=ENV, task_split=SPLIT, task_indices=tasks, samples_per_task=samples)
+    params = dict(body.get("sampling_params") or {})
+    longest = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if params.get("min_new_tokens", 0) > longest:
+        params["min_new_tokens"] = longest
+    body["sampling_params"] = params
+    case.body = body
+    return case
+
+
+@schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck))
+def test_the_service_keeps_its_contract(case: schemathesis.Case, live_url: str) -> None:
+    case.call_and_validate(base_url=live_url, headers={"Authorization": f"Bearer {API_KEY}"})
+
+
+def test_what_is_accepted_reads_back(live_url: str) -> None:
+    """Submissions, then their batch and episodes through the contract's links: whatever the
+    service accepted, it answers when read (on the batch's and the episode's schemas)."""
+
+    class Workflow(schema.as_state_machine()):
+        def get_call_kwargs(self, case: schemathesis.Case) -> dict[str, object]:
+            return {"base_url": live_url, "headers": {"Authorization": f"Bearer {API_KEY}"}}
+
+    Workflow.run(
+        settings=settings(
+            max_examples=STATEFUL_EXAMPLES,
+            stateful_step_count=4,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        )
+    )

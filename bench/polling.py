@@ -61,7 +61,7 @@ class Poller:
         self.session, self.url, self.interval = session, url, interval
         self.latencies: list[float] = []
         self.statuses: Counter[str] = Counter()
-        self.last: dict[str, Any] = {}
+        self.last = b""  # the last body: parsed once, at the end (parsing each would load the client)
 
     async def client(self, until: float, offset: float) -> None:
         await asyncio.sleep(offset)  # spread the clients over an interval, as independent trainers are
@@ -72,7 +72,7 @@ class Poller:
                     body = await response.read()
                     self.statuses[str(response.status)] += 1
                     if response.status == 200:
-                        self.last = json.loads(body)
+                        self.last = body
             except aiohttp.ClientError as error:
                 self.statuses[type(error).__name__] += 1
             self.latencies.append(time.perf_counter() - started)
@@ -137,7 +137,7 @@ async def measure(url: str, episodes: int, clients: int, seconds: float, interva
         result = await loaded.run(clients, seconds)
         stop_health.set()
         health_result = await health
-    last = loaded.last
+    last = json.loads(loaded.last) if loaded.last else {}
     return {
         "episodes": tasks * samples,
         "submit_s": round(submit_s, 2),

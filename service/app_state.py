@@ -6,8 +6,9 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from service.config import Settings
 from service.engine.client import SGLangClient
@@ -17,6 +18,8 @@ from service.storage.db import Database
 from service.worker.worker import EpisodeWorker
 
 logger = logging.getLogger(__name__)
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 GROUP_SUMMARIES_BYTES = 64 * 1024 * 1024  # JSON of complete groups kept for polls, all batches
 RESUME_RETRY_SECONDS = 5.0  # between tries of the pause limit's resume, while workers refuse it
@@ -67,6 +70,40 @@ class GroupSummaries:
         while self._bytes > self.max_bytes and len(self._batches) > 1:
             _, dropped = self._batches.popitem(last=False)
             self._bytes -= sum(len(text) for text in dropped.values())
+
+
+class SharedReads(Generic[K, V]):
+    """Concurrent identical reads share one: a read asked for while another of its key runs waits
+    for the next one, which starts once that one ends and answers everyone who asked meanwhile. Each
+    caller so gets a read that started after it asked (never an older answer), and under load a
+    key costs one read at a time however many ask: 200 trainers polling one batch."""
+
+    def __init__(self) -> None:
+        self._next: dict[K, asyncio.Future[V]] = {}  # the read callers now join, not started yet
+        self._running: dict[K, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def read(self, key: K, read: Callable[[], Awaitable[V]]) -> V:
+        answer = self._next.get(key)
+        if answer is None:
+            answer = self._next[key] = asyncio.get_running_loop().create_future()
+            answer.add_done_callback(lambda future: future.cancelled() or future.exception())
+            task = asyncio.create_task(self._run(key, answer, read))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(answer)  # a caller that goes away leaves the read to the others
+
+    async def _run(self, key: K, answer: asyncio.Future[V], read: Callable[[], Awaitable[V]]) -> None:
+        while (running := self._running.get(key)) is not None:
+            await asyncio.wait([running])
+        del self._next[key]  # who asks from now on needs a later read
+        self._running[key] = asyncio.current_task()  # type: ignore[assignment]  # this one
+        try:
+            answer.set_result(await read())
+        except Exception as error:
+            answer.set_exception(error)
+        finally:
+            del self._running[key]
 
 
 class EnginePause:
@@ -148,3 +185,4 @@ class Services:
     pause: EnginePause  # whether a trainer paused generation, and since when
     worker: EpisodeWorker | None  # None when this process only serves the API (RUN_WORKER=false)
     summaries: GroupSummaries = field(default_factory=GroupSummaries)
+    summary_reads: SharedReads[str, bytes | None] = field(default_factory=SharedReads)

@@ -60,19 +60,27 @@ async def get_batch_results(
     """Counts by status and the episodes of complete groups (a GRPO group arrives whole)."""
     if wait > 0:  # an unknown batch has nothing unfinished: no wait, then 404
         await _wait_until_complete(services, batch_id, wait)
+    if ARROW_STREAM_MEDIA_TYPE not in accept and not include_tokens:
+        body = await services.summary_reads.read(batch_id, lambda: _summary(services, batch_id))
+        if body is None:
+            raise NotFound(f"no batch {batch_id!r}")
+        return Response(body, media_type="application/json")
     # JSON token pulls weigh about three times their blobs: smaller chunks hold as much in memory.
     arrow = ARROW_STREAM_MEDIA_TYPE in accept
     chunk_bytes = CHUNK_BYTES if arrow else CHUNK_BYTES // JSON_SIZE_FACTOR
-    summary = not arrow and not include_tokens
-    rows = await open_batch_rows(services.database, batch_id, chunk_bytes=chunk_bytes, snapshot=not summary)
+    rows = await open_batch_rows(services.database, batch_id, chunk_bytes=chunk_bytes)
     if rows is None:  # decided before the stream starts: past its status line it cannot be a 404
         raise NotFound(f"no batch {batch_id!r}")
-    if arrow:
-        return arrow_stream(rows)
-    if include_tokens:
-        return tokens_json_stream(rows)
+    return arrow_stream(rows) if arrow else tokens_json_stream(rows)
+
+
+async def _summary(services: Services, batch_id: str) -> bytes | None:
+    """The batch's JSON summary (None: no such batch). Its complete groups never change, so it
+    needs no snapshot; their summaries come from `services.summaries` when polled before."""
+    rows = await open_batch_rows(services.database, batch_id, snapshot=False)
+    if rows is None:
+        return None
     try:
-        body = await batch_summary_json(rows, services.summaries)
+        return await batch_summary_json(rows, services.summaries)
     finally:
         await rows.aclose()
-    return Response(body, media_type="application/json")

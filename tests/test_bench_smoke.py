@@ -100,3 +100,25 @@ def test_concurrency_quick(capsys: pytest.CaptureFixture[str]) -> None:
         "loop_lag_max_ms",
         "idle_loop_lag_max_ms",
     )
+
+
+@pytest.mark.postgres
+@pytest.mark.usefixtures("postgres_template")  # skips (or fails) as the other postgres tests do
+def test_polling_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("polling")
+    bench.main(["--quick", "--latency", "0.05", "--api-processes", "1"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result["episodes"] == 200 and result["api_processes"] == 1
+    assert result["server_errors"] == 0 and result["statuses"].get("200", 0) == result["requests"]
+    assert_positive(result, "requests", "get_p50_ms", "baseline_get_p50_ms", "health_samples")
+
+
+@pytest.mark.postgres
+@pytest.mark.usefixtures("postgres_template")
+def test_outage_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("outage")
+    bench.main(["--outage", "2", "--episodes", "8", "--latency", "0.2"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result["episodes"] == 8 and sum(result["statuses"].values()) == 8
+    assert (result["rerun"], result["failures"]) == (0, 0)
+    assert result["answers_during_outage"]

@@ -62,7 +62,10 @@ def test_registry() -> None:
         get_parser("nope")
 
 
-@given(st.text(), st.dictionaries(st.text(), st.integers() | st.text()))
+TEXT = st.text(st.characters(exclude_categories=["Cs"]))  # Unicode text: no lone surrogates
+
+
+@given(st.text(), st.dictionaries(TEXT, st.integers() | TEXT))
 def test_any_arguments_round_trip(prefix: str, arguments: dict[str, object]) -> None:
     prefix = prefix.replace("<tool_call>", "")
     turn = parse_qwen25(prefix + call("tool", arguments))
@@ -81,3 +84,23 @@ def test_reasoning_is_not_part_of_the_action() -> None:
     # The header opened the thinking block; the sample starts inside it.
     assert strip_reasoning("checking...</think>\n\nYour order shipped.") == "Your order shipped."
     assert strip_reasoning("No reasoning here.") == "No reasoning here."
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        '{"name": "get_order", "arguments": {"id": "\\ud800"}}',  # half a character
+        '{"name": "get_order", "arguments": {"\\udfff": 1}}',
+        '{"name": "get_order\\ud800", "arguments": {}}',
+        '{"name": "get_order", "arguments": {"amount": NaN}}',  # not JSON, though Python reads it
+        '{"name": "get_order", "arguments": {"amount": -Infinity}}',
+        '{"name": "get_order", "arguments": "{\\"id\\": \\"\\\\ud800\\"}"}',  # the same, as a string
+    ],
+)
+def test_a_call_no_database_could_store_is_no_call(block: str) -> None:
+    """What the model wrote stays in its tokens; what the service stores and serves must be JSON."""
+    with pytest.raises(ToolCallParseError):
+        parse_qwen25(f"<tool_call>\n{block}\n</tool_call>")
+    good = call("get_order", {"id": "#W1"})
+    turn = parse_qwen25(f"<tool_call>\n{block}\n</tool_call>\n{good}")
+    assert turn.action == Action("get_order", {"id": "#W1"}) and turn.calls_found == 1

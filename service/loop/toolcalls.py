@@ -58,7 +58,14 @@ def strip_reasoning(text: str) -> str:
 QWEN25_OPEN = "<tool_call>"
 QWEN25_BLOCK_OPEN = "<tool_call>\n"
 QWEN25_CLOSE = "</tool_call>"
-JSON_DECODER = json.JSONDecoder()
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+# Strict JSON: Python's decoder also takes NaN and Infinity, which no database stores as JSON.
+JSON_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
 @register("qwen25")
@@ -88,7 +95,7 @@ def _qwen25_block(text: str, body: int) -> tuple[Action | None, int]:
     skip = len(text) if skip < 0 else skip + len(QWEN25_CLOSE)
     try:
         call, end = JSON_DECODER.raw_decode(text, len(text) - len(text[body:].lstrip()))
-    except json.JSONDecodeError:
+    except ValueError:
         return None, skip
     rest = text[end:].lstrip()
     if rest and not rest.startswith(QWEN25_CLOSE):
@@ -103,9 +110,13 @@ def _action_from_call(call: object) -> Action | None:
     arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):  # some models send the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = JSON_DECODER.decode(arguments)
+        except ValueError:
             return None
     if not isinstance(arguments, dict):
+        return None
+    try:  # a "\ud800" escape decodes to half a character: stored, it would make the episode unreadable
+        json.dumps([call["name"], arguments], ensure_ascii=False).encode()
+    except UnicodeEncodeError:
         return None
     return Action(call["name"], arguments)

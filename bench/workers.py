@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -40,10 +41,13 @@ from bench.common import (  # noqa: E402
     START_TIMEOUT_SECONDS,
     free_port,
     fresh_database,
+    percentiles_ms,
     sim_worker,
     stop,
     wait_healthy,
 )
+
+HEALTH_INTERVAL_SECONDS = 0.2
 
 LONG_POLL_SECONDS = 300.0  # the service's MAX_LONG_POLL_SECONDS
 GOAL_RATIO = 1.7  # issue 10: 2 processes on 2 cores
@@ -91,8 +95,46 @@ def started_processes(log: Path) -> int:
     return log.read_text(errors="replace").count('"message": "Application startup complete."')
 
 
+class HealthProbe(threading.Thread):
+    """GET /health every HEALTH_INTERVAL_SECONDS on its own connection, as an orchestrator's
+    liveness probe does: latencies and failures."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.latencies: list[float] = []
+        self.errors: Counter[str] = Counter()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=60) as http:
+            while not self.done.is_set():
+                started = time.perf_counter()
+                try:
+                    if (status := http.get("/health").status_code) != 200:
+                        self.errors[str(status)] += 1
+                except httpx.HTTPError as error:
+                    self.errors[type(error).__name__] += 1
+                self.latencies.append(time.perf_counter() - started)
+                self.done.wait(HEALTH_INTERVAL_SECONDS)
+
+    def stats(self) -> dict[str, Any]:
+        self.done.set()
+        self.join()
+        figures = percentiles_ms(self.latencies)
+        return {"health_p50_ms": figures["p50_ms"], "health_p99_ms": figures["p99_ms"],
+                "health_errors": dict(self.errors)}  # fmt: skip
+
+
 def run_once(
-    workers: int, episodes: int, sim_url: str, sim_pid: int | None, kind: str, tmp: Path, max_wall: float
+    workers: int,
+    episodes: int,
+    sim_url: str,
+    sim_pid: int | None,
+    kind: str,
+    tmp: Path,
+    max_wall: float,
+    api_processes: int = 0,
 ) -> dict[str, Any]:
     samples = max(1, episodes // SHOP_TEST_TASKS)
     tasks = min(episodes, SHOP_TEST_TASKS)
@@ -111,6 +153,7 @@ def run_once(
             "ENV_WORKERS": "2",
             "MAX_RUNNING_EPISODES": bound,
             "MAX_INFLIGHT_GENERATES": bound,
+            "SERVE_API_PROCESSES": str(api_processes),
         }
         process = subprocess.Popen(
             [sys.executable, "-m", "service", "serve", "--port", str(port), "--workers", str(workers),
@@ -120,7 +163,7 @@ def run_once(
         try:
             wait_healthy(url, process, log)
             deadline = time.monotonic() + START_TIMEOUT_SECONDS
-            while started_processes(log) < workers:  # every process up before the clock starts
+            while started_processes(log) < workers + api_processes:  # all up before the clock starts
                 if time.monotonic() > deadline or process.poll() is not None:
                     raise RuntimeError(f"{workers} processes did not start:\n{log.read_text()[-3000:]}")
                 time.sleep(0.2)
@@ -128,6 +171,8 @@ def run_once(
             cpu0, sim_cpu0 = process_tree_cpu_seconds(process.pid), process_tree_cpu_seconds(sim_pid)
             machine_cpu0 = machine_cpu_seconds()
             started = time.perf_counter()
+            health = HealthProbe(url)
+            health.start()
             with httpx.Client(base_url=url, timeout=LONG_POLL_SECONDS + 60) as http:
                 response = http.post(
                     "/episodes",
@@ -149,6 +194,7 @@ def run_once(
                     polled.raise_for_status()
                     batch = polled.json()
             wall = time.perf_counter() - started
+            health_stats = health.stats()
             cpu = process_tree_cpu_seconds(process.pid) - cpu0
             sim_cpu = process_tree_cpu_seconds(sim_pid) - sim_cpu0
             machine_cpu = machine_cpu_seconds() - machine_cpu0
@@ -157,6 +203,7 @@ def run_once(
     turns = sum(episode["num_turns"] or 0 for episode in batch["episodes"])
     return {
         "workers": workers,
+        "api_processes": api_processes,
         "episodes": tasks * samples,
         "finished": batch["finished"],
         "complete": batch["complete"],
@@ -174,6 +221,7 @@ def run_once(
         "attempts": dict(Counter(str(episode["attempt"]) for episode in batch["episodes"])),
         "load_1m_before": round(load, 2),
         "exit_code": exit_code,
+        **health_stats,
     }
 
 
@@ -193,6 +241,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--max-wall", type=float, default=600.0, help="stop waiting after this many seconds")
     parser.add_argument(
+        "--api-processes", type=int, default=0, help="API-only processes in front, in every run"
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="1 then N, this many times; ratios of the medians"
     )
     parser.add_argument("--quick", action="store_true", help="100 episodes, 0.05 s latency (smoke test)")
@@ -205,7 +256,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine(args, Path(tmp)) as sim,
     ):
         runs = [
-            run_once(workers, args.episodes, *sim, args.database, Path(tmp), args.max_wall)
+            run_once(
+                workers, args.episodes, *sim, args.database, Path(tmp), args.max_wall, args.api_processes
+            )
             for _ in range(args.rounds)
             for workers in (1, args.workers)
         ]
@@ -230,7 +283,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"--workers {run['workers']}: {run['finished']}/{run['episodes']} episodes in {run['wall_s']} s: "
             f"{run['episodes_per_s']} episodes/s, {run['turns_per_s']} turns/s; service CPU "
             f"{run['service_cpu_s']} s ({run['service_cpu_ms_per_turn']} ms a turn), sim "
-            f"{run['sim_cpu_s']} s; cores busy {run['machine_busy_cores']}, {run['others_busy_cores']} other"
+            f"{run['sim_cpu_s']} s; cores busy {run['machine_busy_cores']}, "
+            f"{run['others_busy_cores']} other; /health p50 {run['health_p50_ms']} ms, p99 "
+            f"{run['health_p99_ms']} ms, errors {run['health_errors']}"
         )
     print(f"ratio {args.workers} to 1: turns/s {result['turns_per_s_ratio']}x, episodes/s "
           f"{result['episodes_per_s_ratio']}x (goal {GOAL_RATIO}x)")  # fmt: skip

@@ -44,7 +44,7 @@ from bench.common import (  # noqa: E402
 )
 from service.app import create_app  # noqa: E402
 from service.config import Settings  # noqa: E402
-from service.engine.transport import AiohttpTransport, Reply  # noqa: E402
+from service.engine.transport import Reply, SocketTransport  # noqa: E402
 from service.records import rid_attempt_key  # noqa: E402
 from service.serving import serve_app  # noqa: E402
 
@@ -87,19 +87,19 @@ class GenerateRecorder:
         self._post: Any = None
 
     def install(self) -> None:
-        self._post = original = AiohttpTransport.post
+        self._post = original = SocketTransport.post
         bodies = self.bodies
 
-        async def post(transport: AiohttpTransport, url: str, body: bytes, timeout: float) -> Reply:
+        async def post(transport: SocketTransport, url: str, body: bytes, timeout: float) -> Reply:
             rid = body[body.rindex(b'"rid":"') + 7 : body.rindex(b'"')].decode()  # the body's last field
             bodies[rid_attempt_key(rid)].append(body)
             return await original(transport, url, body, timeout)
 
-        AiohttpTransport.post = post  # type: ignore[method-assign]
+        SocketTransport.post = post  # type: ignore[method-assign]
 
     def uninstall(self) -> None:
         if self._post is not None:
-            AiohttpTransport.post = self._post  # type: ignore[method-assign]
+            SocketTransport.post = self._post  # type: ignore[method-assign]
 
 
 async def bare_client_baseline(url: str, bodies: dict[str, list[bytes]]) -> dict[str, float]:

@@ -18,7 +18,7 @@ from service.api.middleware import install_middleware
 from service.app_state import EnginePause, ResultsSignal, Services
 from service.config import Settings
 from service.engine.client import SGLangClient, make_control_client
-from service.engine.transport import AiohttpTransport
+from service.engine.transport import SocketTransport
 from service.envs.base import UserSimConfig
 from service.envs.host import EnvHost
 from service.envs.registry import available_envs
@@ -87,7 +87,7 @@ async def lifespan(
             logger.warning("the database does not answer at start: %s", database.status.describe())
         http = make_control_client(settings.engine_timeout_seconds)
         resources.push_async_callback(http.aclose)
-        transport = AiohttpTransport(settings.max_inflight_generates)
+        transport = SocketTransport()  # its connections are bounded by the client's max_inflight
         resources.push_async_callback(transport.aclose)
         engine = SGLangClient(
             http,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import pytest
+import uvloop
 from transformers import AutoTokenizer
 
 from service.config import TEST_TOKENIZER_DIR
@@ -22,7 +23,7 @@ from service.engine.client import (
     SGLangClient,
     parse_generation,
 )
-from service.engine.transport import AiohttpTransport
+from service.engine.transport import GenerateTransport, SocketTransport
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from tests.support.polling import until
@@ -338,21 +339,26 @@ async def test_workers_from_a_router_listing() -> None:
         assert await make_client(http, "http://router").workers() == ["http://a:1", "http://b:2"]
 
 
-# ---- the production transport (aiohttp) over real sockets ----
+# ---- the production transport over real sockets ----
 
 
-async def test_the_aiohttp_transport_returns_what_the_worker_sent() -> None:
-    worker = SimWorker(FAST)
-    with serve_in_thread(create_sim_app(worker=worker)) as url:
-        transport = AiohttpTransport(max_connections=4)
-        try:
-            async with httpx.AsyncClient() as http:
-                client = make_client(http, url, transport=transport)
-                generations = await asyncio.gather(
-                    *(client.generate(prompt(), {"max_new_tokens": 200}, f"a{n}:0:0") for n in range(6))
-                )
-        finally:
-            await transport.aclose()
+@pytest.fixture
+def transport_factory() -> Callable[[], GenerateTransport]:
+    return SocketTransport
+
+
+async def six_generations(url: str, transport: GenerateTransport) -> list[Generation]:
+    try:
+        async with httpx.AsyncClient() as http:
+            client = make_client(http, url, transport=transport)
+            return await asyncio.gather(
+                *(client.generate(prompt(), {"max_new_tokens": 200}, f"a{n}:0:0") for n in range(6))
+            )
+    finally:
+        await transport.aclose()
+
+
+def assert_answered_as_sent(worker: SimWorker, generations: list[Generation]) -> None:
     by_rid = {request.rid: request for request in worker.requests}
     for n, generation in enumerate(generations):
         body = by_rid[f"a{n}:0:0"].response_body
@@ -360,13 +366,32 @@ async def test_the_aiohttp_transport_returns_what_the_worker_sent() -> None:
         assert by_rid[f"a{n}:0:0"].body["input_ids"] == prompt()
 
 
-async def test_the_aiohttp_transport_retries_a_refused_connection_then_fails() -> None:
-    transport = AiohttpTransport(max_connections=4)
+async def test_the_transport_returns_what_the_worker_sent(
+    transport_factory: Callable[[], GenerateTransport],
+) -> None:
+    worker = SimWorker(FAST)
+    with serve_in_thread(create_sim_app(worker=worker)) as url:
+        generations = await six_generations(url, transport_factory())
+    assert_answered_as_sent(worker, generations)
+
+
+def test_the_socket_transport_on_uvloop() -> None:
+    """The service runs on uvloop, whose transports are not asyncio's own classes."""
+    worker = SimWorker(FAST)
+    with serve_in_thread(create_sim_app(worker=worker)) as url:
+        generations = uvloop.run(six_generations(url, SocketTransport()))
+    assert_answered_as_sent(worker, generations)
+
+
+async def test_the_transport_retries_a_refused_connection_then_fails(
+    transport_factory: Callable[[], GenerateTransport],
+) -> None:
+    transport = transport_factory()
     try:
         async with httpx.AsyncClient() as http:
             client = make_client(http, f"http://127.0.0.1:{free_port()}", retries=2, transport=transport)
             with pytest.raises(
-                EngineUnavailableError, match="after 3 attempts: ClientConnectorError"
+                EngineUnavailableError, match="after 3 attempts: cannot connect: ConnectionRefused"
             ) as raised:
                 await client.generate([1, 2, 3], {}, "c:0:0")
     finally:
@@ -374,10 +399,12 @@ async def test_the_aiohttp_transport_retries_a_refused_connection_then_fails() -
     assert raised.value.retryable is True and raised.value.status_code is None
 
 
-async def test_the_aiohttp_transport_times_out_aborts_and_retries_under_a_new_rid() -> None:
+async def test_the_transport_times_out_aborts_and_retries_under_a_new_rid(
+    transport_factory: Callable[[], GenerateTransport],
+) -> None:
     worker = SimWorker(SimConfig(latency_seconds=2.0))
     with serve_in_thread(create_sim_app(worker=worker)) as url:
-        transport = AiohttpTransport(max_connections=4)
+        transport = transport_factory()
         try:
             async with httpx.AsyncClient() as http:
                 client = make_client(http, url, retries=1, timeout_seconds=0.1, transport=transport)

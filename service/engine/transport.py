@@ -1,18 +1,24 @@
 """How a /generate request reaches SGLang: one POST of prebuilt bytes, the status and body back.
 
 The hot path of the service. At thousands of episodes in flight, httpx spent several times the
-socket's own cost per call (client layers, h11, anyio cancel scopes, pool assignment); aiohttp's
-keep-alive connector costs close to the bare request. Tests hand the client an httpx client
-instead (an in-process ASGI app or a mock transport): the request and its failures are the same.
+socket's own cost per call (client layers, h11, anyio cancel scopes, pool assignment), and
+aiohttp's request machinery was still a fifth of the service's CPU: SocketTransport writes the
+request's bytes on a kept-alive asyncio connection and parses the answer with httptools. Tests
+may hand the client an httpx client instead (an in-process ASGI app or a mock transport): the
+request and its failures are the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import urlsplit
 
-import aiohttp
+import httptools
 import httpx
 
 CONNECT_TIMEOUT_SECONDS = 10.0
@@ -45,35 +51,139 @@ class GenerateTransport(Protocol):
     async def aclose(self) -> None: ...
 
 
-class AiohttpTransport:
-    """One aiohttp session: a keep-alive pool of at most `max_connections` (per engine URL too).
-    No TLS context is built for http:// URLs; https:// ones share aiohttp's default one."""
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection: a request at a time, its answer parsed by httptools."""
 
-    def __init__(self, max_connections: int) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=max_connections, limit_per_host=max_connections, keepalive_timeout=KEEPALIVE_SECONDS
-        )
-        # Never a cookie jar nor proxy lookups from the environment: each request is one POST.
-        self._session = aiohttp.ClientSession(
-            connector=connector, cookie_jar=aiohttp.DummyCookieJar(), headers=JSON_HEADERS
-        )
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.answer: asyncio.Future[Reply] | None = None
+        self.body: list[bytes] = []
+        self.reusable = False
+        self.closed = False
+        self.idle_since = 0.0
+
+    def send(self, request: bytes) -> asyncio.Future[Reply]:
+        assert self.transport is not None and self.answer is None
+        self.answer = asyncio.get_running_loop().create_future()
+        self.body, self.reusable = [], False
+        self.transport.write(request)
+        return self.answer
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as error:
+            self._fail(f"unparseable HTTP response: {error}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(f"connection closed by the server{f': {exc}' if exc else ''}")
+
+    # httptools callbacks
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.reusable = self.parser.should_keep_alive()
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_result(Reply(self.parser.get_status_code(), b"".join(self.body)))
+        self.answer = None
+
+    def _fail(self, reason: str) -> None:
+        self.reusable = False
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_exception(ConnectionError(reason))
+        self.answer = None
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.abort()
+
+
+class SocketTransport:
+    """POSTs over asyncio's sockets with a keep-alive pool per engine URL, the response parsed by
+    httptools (C): a request costs a write and a parse.
+    Idle connections are reused most recent first and closed past KEEPALIVE_SECONDS."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int, bool], deque[_Connection]] = {}
+        self._heads: dict[str, tuple[tuple[str, int, bool], bytes]] = {}  # url -> pool key, request head
+        self._ssl: ssl.SSLContext | None = None
+
+    def _head(self, url: str) -> tuple[tuple[str, int, bool], bytes]:
+        known = self._heads.get(url)
+        if known is None:
+            parts = urlsplit(url)
+            secure = parts.scheme == "https"
+            host = parts.hostname or "127.0.0.1"
+            port = parts.port or (443 if secure else 80)
+            path = parts.path or "/"
+            if parts.query:
+                path += f"?{parts.query}"
+            head = (
+                f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                "Content-Type: application/json\r\nContent-Length: "
+            ).encode()
+            known = self._heads[url] = ((host, port, secure), head)
+        return known
+
+    async def _connection(self, key: tuple[str, int, bool]) -> _Connection:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            connection = idle.pop()
+            if not connection.closed and now - connection.idle_since < KEEPALIVE_SECONDS:
+                return connection
+            connection.close()
+        host, port, secure = key
+        if secure and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(CONNECT_TIMEOUT_SECONDS):
+            _, connection = await loop.create_connection(
+                _Connection, host, port, ssl=self._ssl if secure else None
+            )
+        return connection
+
+    def _release(self, key: tuple[str, int, bool], connection: _Connection) -> None:
+        if connection.reusable and not connection.closed:
+            connection.idle_since = time.monotonic()
+            self._idle.setdefault(key, deque()).append(connection)
+        else:
+            connection.close()
 
     async def post(self, url: str, body: bytes, timeout_seconds: float) -> Reply:
-        timeout = self._timeouts.get(timeout_seconds)
-        if timeout is None:
-            timeout = aiohttp.ClientTimeout(total=timeout_seconds, connect=CONNECT_TIMEOUT_SECONDS)
-            self._timeouts[timeout_seconds] = timeout
+        key, head = self._head(url)
         try:
-            async with self._session.post(url, data=body, timeout=timeout) as response:
-                return Reply(response.status, await response.read())
-        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as error:
-            raise TransportFailure(f"{type(error).__name__}: {error}", may_be_running=False) from error
-        except (aiohttp.ClientError, asyncio.TimeoutError) as error:  # noqa: UP041 (aiohttp raises this one)
-            raise TransportFailure(f"{type(error).__name__}: {error}", may_be_running=True) from error
+            connection = await self._connection(key)
+        except (OSError, TimeoutError) as error:
+            reason = f"cannot connect: {type(error).__name__}: {error}"
+            raise TransportFailure(reason, may_be_running=False) from error
+        try:
+            async with asyncio.timeout(timeout_seconds):
+                reply = await connection.send(b"%s%d\r\n\r\n%s" % (head, len(body), body))
+        except BaseException as error:  # a timeout, a dropped connection, a cancellation
+            connection.close()  # mid-request: its state is unknown
+            if isinstance(error, TimeoutError | ConnectionError | OSError):
+                raise TransportFailure(f"{type(error).__name__}: {error}", may_be_running=True) from error
+            raise
+        self._release(key, connection)
+        return reply
 
     async def aclose(self) -> None:
-        await self._session.close()
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.close()
+        self._idle.clear()
 
 
 class HttpxTransport:

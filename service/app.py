@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import cast
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from service.api import batches, engine, envs, episodes, health
 from service.api.contract import install_contract
+from service.api.deps import refuse_unknown_query_parameters
 from service.api.errors import install_error_handlers
 from service.api.middleware import install_middleware
 from service.app_state import EnginePause, ResultsSignal, Services
@@ -150,6 +151,7 @@ def create_app(settings: Settings | None = None, shutting_down: asyncio.Event | 
         version="0.1.0",
         summary="Durable multi-turn agent rollouts against SGLang, with exact token data for RL trainers.",
         lifespan=lambda app: lifespan(settings, metrics, shutting_down),
+        dependencies=[Depends(refuse_unknown_query_parameters)],
     )
     install_error_handlers(app)
     install_middleware(app, settings)

@@ -276,6 +276,24 @@ async def test_the_query_is_validated_before_the_batch_is_looked_up(client: http
     assert response.status_code == 422 and "query.wait" in response.json()["detail"]
 
 
+@pytest.mark.parametrize(
+    ("path", "params"),
+    [
+        ("/batches/nope", {"include_token": "true"}),  # a typo of include_tokens
+        ("/health", {"verbose": "1"}),
+        ("/envs", {"x": ""}),
+    ],
+)
+async def test_a_query_parameter_the_route_does_not_take_is_named(
+    client: httpx.AsyncClient, path: str, params: dict[str, str]
+) -> None:
+    """It would otherwise be ignored: a typo must not silently change the answer."""
+    response = await client.get(path, params=params)
+    assert response.status_code == 422, response.text
+    (name,) = params
+    assert f"query.{name}" in response.json()["detail"] and "unknown query parameter" in response.text
+
+
 async def test_envs_and_health(client: httpx.AsyncClient) -> None:
     envs = (await client.get("/envs")).json()
     shop = next(env for env in envs if env["name"] == "builtin/shop")

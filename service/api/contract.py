@@ -39,8 +39,9 @@ def _response(error: type[ServiceError]) -> dict[str, Any]:
 
 def _complete_operation(path: str, operation: dict[str, Any]) -> None:
     answers: dict[str, Any] = operation["responses"]
-    if "422" in answers:  # FastAPI's HTTPValidationError: the service answers its ErrorBody instead
-        answers["422"] = _response(InvalidRequest)
+    # FastAPI's HTTPValidationError where it has one: the service answers its ErrorBody instead,
+    # and on every operation, which all refuse a query parameter they do not take.
+    answers["422"] = _response(InvalidRequest)
     if "requestBody" in operation:
         answers.setdefault("400", _response(BodyUnparseable))
         answers.setdefault("413", _response(PayloadTooLarge))

@@ -64,9 +64,10 @@ class GroupSummaries:
         return dict(groups)
 
     def add(self, batch_id: str, groups: dict[int, bytes]) -> None:
-        self._batches.setdefault(batch_id, {}).update(groups)
+        kept = self._batches.setdefault(batch_id, {})
+        self._bytes += sum(len(text) - len(kept.get(group, b"")) for group, text in groups.items())
+        kept.update(groups)
         self._batches.move_to_end(batch_id)
-        self._bytes += sum(len(text) for text in groups.values())
         while self._bytes > self.max_bytes and len(self._batches) > 1:
             _, dropped = self._batches.popitem(last=False)
             self._bytes -= sum(len(text) for text in dropped.values())

@@ -113,25 +113,36 @@ def _byte_length(size: int | None, width: int) -> int | None:
     return None if size is None else size // width
 
 
+# EpisodeSummary's fields, in the order of batch_rows.SUMMARY_SELECTED (whose two lengths are in bytes).
+SUMMARY_FIELDS = (
+    "id",
+    "status",
+    "reward",
+    "group_index",
+    "sample_index",
+    "task_index",
+    "attempt",
+    "num_turns",
+    "prompt_length",
+    "response_length",
+    "error",
+)
+
+
+def _summary_item(values: Sequence[Any]) -> dict[str, Any]:
+    """An EpisodeSummary from values in SUMMARY_FIELDS' order, the token arrays' lengths in bytes."""
+    item = dict(zip(SUMMARY_FIELDS, values, strict=True))
+    item["prompt_length"] = _byte_length(item["prompt_length"], blobs.ID_BYTES)
+    item["response_length"] = _byte_length(item["response_length"], blobs.ID_BYTES)
+    return item
+
+
 def group_summaries_json(rows: Sequence[Row[Any]]) -> dict[int, bytes]:
-    """Whole groups' episode summaries (EpisodeSummary, from SUMMARY_SELECTED rows by group then
-    sample) as JSON list items, by group index."""
+    """Whole groups' episode summaries (SUMMARY_SELECTED rows, by group then sample) as JSON list
+    items, by group index."""
     items: dict[int, list[bytes]] = {}
     for row in rows:
-        item = {
-            "id": row.id,
-            "status": row.status,
-            "reward": row.reward,
-            "group_index": row.group_index,
-            "sample_index": row.sample_index,
-            "task_index": row.task_index,
-            "attempt": row.attempt,
-            "num_turns": row.num_turns,
-            "prompt_length": _byte_length(row.prompt_bytes, blobs.ID_BYTES),
-            "response_length": _byte_length(row.response_bytes, blobs.ID_BYTES),
-            "error": row.error,
-        }
-        items.setdefault(row.group_index, []).append(orjson.dumps(item))
+        items.setdefault(row.group_index, []).append(orjson.dumps(_summary_item(row)))
     return {group: b",".join(texts) for group, texts in items.items()}
 
 
@@ -161,18 +172,22 @@ def episodes_with_tokens_json(columns: EpisodeColumns) -> bytes:
         prompt, response = columns.prompt_ids[index], columns.response_ids[index]
         text = columns.turns_json[index]
         turns = (orjson.loads(text) if text is not None else None) or []
-        item = {
-            "id": columns.episode_id[index],
-            "status": columns.status[index],
-            "reward": columns.reward[index],
-            "group_index": columns.group_index[index],
-            "sample_index": columns.sample_index[index],
-            "task_index": columns.task_index[index],
-            "attempt": columns.attempt[index],
-            "num_turns": columns.num_turns[index],
-            "prompt_length": _byte_length(None if prompt is None else len(prompt), blobs.ID_BYTES),
-            "response_length": _byte_length(None if response is None else len(response), blobs.ID_BYTES),
-            "error": columns.error[index],
+        item = _summary_item(
+            (
+                columns.episode_id[index],
+                columns.status[index],
+                columns.reward[index],
+                columns.group_index[index],
+                columns.sample_index[index],
+                columns.task_index[index],
+                columns.attempt[index],
+                columns.num_turns[index],
+                None if prompt is None else len(prompt),
+                None if response is None else len(response),
+                columns.error[index],
+            )
+        )
+        item |= {
             "prompt_ids": _numbers(prompt, blobs.ID_DTYPE),
             "response_ids": _numbers(response, blobs.ID_DTYPE),
             "loss_mask": _numbers(columns.loss_mask[index], blobs.MASK_DTYPE),

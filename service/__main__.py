@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
+
+SIM_CLI_REQUEST_LOG = 1000  # generate requests `sim-worker` remembers (at 10,000 episodes: 1.3 GB)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         from service.sim.worker import SimConfig
         from service.sim.worker import main as sim_main
 
-        sim_config = SimConfig(latency_seconds=args.latency)
+        # Its request log is for tests that hold the worker in-process; a served one keeps a little.
+        sim_config = SimConfig(latency_seconds=args.latency, request_log_limit=SIM_CLI_REQUEST_LOG)
         if args.tokenizer:
-            sim_config = SimConfig(latency_seconds=args.latency, tokenizer_path=args.tokenizer)
+            sim_config = replace(sim_config, tokenizer_path=args.tokenizer)
         sim_main(args.host, args.port, sim_config)
     elif args.command == "openapi":
         from service.openapi import openapi_yaml

@@ -319,6 +319,17 @@ async def test_long_poll_returns_when_complete(client: httpx.AsyncClient) -> Non
     assert len(batch["episodes"]) == 2
 
 
+async def test_an_episode_long_polls_until_it_finished(client: httpx.AsyncClient) -> None:
+    submitted = await client.post("/episodes", json=submission(batch_id="one", task_indices=[5]))
+    episode_id = submitted.json()["episode_ids"][0]
+    early = (await client.get(f"/episodes/{episode_id}")).json()
+    assert early["status"] in {"queued", "running"}  # the simulated engine takes 10 ms a turn
+    episode = (await client.get(f"/episodes/{episode_id}", params={"wait": 30})).json()
+    assert episode["status"] in {"completed", "truncated", "aborted"} and episode["response_ids"]
+    missing = await client.get("/episodes/nope", params={"wait": 30})  # no wait for what is not there
+    assert missing.status_code == 404
+
+
 async def test_json_batch_with_tokens_matches_episodes(client: httpx.AsyncClient) -> None:
     await client.post("/episodes", json=submission(batch_id="tok", task_indices=[4]))
     await wait_complete(client, "tok")

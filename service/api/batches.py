@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Response
 
-from service.api.deps import ServicesDep
+from service.api.deps import ServicesDep, long_poll
 from service.api.errors import DatabaseUnavailable, NotFound, responses
 from service.api.presenters import (
     ARROW_STREAM_MEDIA_TYPE,
@@ -22,17 +21,7 @@ from service.storage.batches import batch_unfinished
 
 router = APIRouter(tags=["batches"])
 
-WAIT_POLL_SECONDS = 1.0  # how often a long-poll re-reads the database (other processes' results)
 JSON_SIZE_FACTOR = 4  # a token's JSON text against its stored bytes, about
-
-
-async def _wait_until_complete(services: Services, batch_id: str, wait: float) -> None:
-    deadline = time.monotonic() + min(wait, services.settings.max_long_poll_seconds)
-    while await batch_unfinished(services.database, batch_id):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or services.shutting_down.is_set():
-            return
-        await services.results.wait(min(remaining, WAIT_POLL_SECONDS))
 
 
 @router.get(
@@ -59,7 +48,7 @@ async def get_batch_results(
 ) -> Any:
     """Counts by status and the episodes of complete groups (a GRPO group arrives whole)."""
     if wait > 0:  # an unknown batch has nothing unfinished: no wait, then 404
-        await _wait_until_complete(services, batch_id, wait)
+        await long_poll(services, wait, lambda: _complete(services, batch_id))
     if ARROW_STREAM_MEDIA_TYPE not in accept and not include_tokens:
         body = await services.summary_reads.read(batch_id, lambda: _summary(services, batch_id))
         if body is None:
@@ -72,6 +61,10 @@ async def get_batch_results(
     if rows is None:  # decided before the stream starts: past its status line it cannot be a 404
         raise NotFound(f"no batch {batch_id!r}")
     return arrow_stream(rows) if arrow else tokens_json_stream(rows)
+
+
+async def _complete(services: Services, batch_id: str) -> bool:
+    return not await batch_unfinished(services.database, batch_id)
 
 
 async def _summary(services: Services, batch_id: str) -> bytes | None:

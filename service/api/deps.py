@@ -1,15 +1,15 @@
-"""Dependencies of the routes: the app's services, one transaction per request, and the check
-that a request's query names only parameters its route takes."""
+"""What the routes share: the app's services, long-polls, and the check that a request's query
+names only parameters its route takes."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.app_state import Services
 
@@ -22,13 +22,20 @@ def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-async def get_read_session(services: ServicesDep) -> AsyncIterator[AsyncSession]:
-    """A read-only session for the request (GET never changes state)."""
-    async with services.database.reader() as session:
-        yield session
+
+WAIT_POLL_SECONDS = 1.0  # how often a long-poll re-reads the database (other processes' results)
 
 
-ReadSessionDep = Annotated[AsyncSession, Depends(get_read_session)]
+async def long_poll(services: Services, wait: float, done: Callable[[], Awaitable[bool]]) -> None:
+    """Returns once `done()` (a database read) is true, or after `wait` seconds (at most
+    MAX_LONG_POLL_SECONDS), or when the server stops. It asks again whenever this process stores a
+    result, and every WAIT_POLL_SECONDS for the other processes'."""
+    deadline = time.monotonic() + min(wait, services.settings.max_long_poll_seconds)
+    while not await done():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or services.shutting_down.is_set():
+            return
+        await services.results.wait(min(remaining, WAIT_POLL_SECONDS))
 
 
 def _query_names(route: APIRoute) -> frozenset[str]:

@@ -7,9 +7,10 @@ import json
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, status
+from fastapi import APIRouter, Path, Query, status
+from sqlalchemy import select
 
-from service.api.deps import ReadSessionDep, ServicesDep
+from service.api.deps import ServicesDep, long_poll
 from service.api.errors import (
     Conflict,
     DatabaseUnavailable,
@@ -21,7 +22,7 @@ from service.api.errors import (
 from service.api.presenters import episode_detail
 from service.api.schemas import ID_PATTERN, EpisodeDetail, SubmitAccepted, SubmitEpisodes
 from service.app_state import Services
-from service.records import EpisodeRequest
+from service.records import FINISHED_STATUSES, EpisodeRequest
 from service.storage.batches import BatchConflict, NewBatch, NewEpisode, submit_batch
 from service.storage.models import Episode
 
@@ -125,21 +126,30 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep) -> Submit
     )
 
 
-async def valid_episode(
-    episode_id: Annotated[str, Path(max_length=128, pattern=ID_PATTERN)], session: ReadSessionDep
-) -> Episode:
-    episode = await session.get(Episode, episode_id)
-    if episode is None:
-        raise NotFound(f"no episode {episode_id!r}")
-    return episode
-
-
 @router.get(
     "/episodes/{episode_id}",
     operation_id="get_episode",
     response_model=EpisodeDetail,
     responses=responses(NotFound, DatabaseUnavailable),
 )
-async def get_episode(episode: Annotated[Episode, Depends(valid_episode)]) -> EpisodeDetail:
+async def get_episode(
+    services: ServicesDep,
+    episode_id: Annotated[str, Path(max_length=128, pattern=ID_PATTERN)],
+    wait: Annotated[
+        float, Query(ge=0, description="Long-poll: seconds to wait for the episode to finish.")
+    ] = 0,
+) -> EpisodeDetail:
     """One episode with its token arrays as JSON lists, its transcript, env info and turns."""
+
+    async def finished() -> bool:  # an unknown episode is "finished": no wait, then 404
+        async with services.database.reader() as session:
+            status = await session.scalar(select(Episode.status).where(Episode.id == episode_id))
+        return status is None or status in FINISHED_STATUSES
+
+    if wait > 0:
+        await long_poll(services, wait, finished)
+    async with services.database.reader() as session:
+        episode = await session.get(Episode, episode_id)
+    if episode is None:
+        raise NotFound(f"no episode {episode_id!r}")
     return episode_detail(episode)

@@ -27,6 +27,14 @@ class Metrics:
             ["status"],
             registry=registry,
         )
+        self.cancelled = Counter(
+            "rollout_episodes_cancelled",
+            "Episodes ended cancelled by POST /batches/{id}/cancel through this process.",
+            ["when"],
+            registry=registry,
+        )
+        for when in ("queued", "running"):
+            self.cancelled.labels(when)
         self.turns = Counter("rollout_turns", "Generate calls of finished episodes.", registry=registry)
         self.tokens = Counter(
             "rollout_tokens",
@@ -63,6 +71,10 @@ class Metrics:
 
     def episodes_submitted(self, count: int) -> None:
         self.submitted.inc(count)
+
+    def episodes_cancelled(self, queued: int, running: int) -> None:
+        self.cancelled.labels("queued").inc(queued)
+        self.cancelled.labels("running").inc(running)
 
     def episode_finished(self, result: EpisodeResult) -> None:
         self.finished.labels(result.status.value).inc()

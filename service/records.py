@@ -17,6 +17,7 @@ class EpisodeStatus(StrEnum):
     TRUNCATED = "truncated"  # turn limit, a turn cut at max_new_tokens, or the response-token budget
     ABORTED = "aborted"  # the engine aborted the request, an unparseable tool call, an env error
     FAILED = "failed"  # infrastructure error after retries; `error` says which
+    CANCELLED = "cancelled"  # its batch was cancelled (POST /batches/{id}/cancel) before it finished
 
     @property
     def finished(self) -> bool:

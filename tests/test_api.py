@@ -147,7 +147,19 @@ async def test_concurrent_resubmissions_create_one_batch(client: httpx.AsyncClie
         (submission(max_turns=2.5), 422, ["max_turns", "valid integer"]),
         (submission(sampling_params={"max_new_tokens": True}), 422, ["sampling_params.max_new_tokens"]),
         (submission(sampling_params={"top_k": "5"}), 422, ["sampling_params.top_k", "valid integer"]),
-        (submission(sampling_params={"n": 2}), 422, ["sampling_params.n", "Extra inputs"]),
+        (submission(sampling_params={"n": 2}), 422, ["sampling_params.n", "less than or equal to 1"]),
+        (submission(sampling_params={"top_k": 0}), 422, ["sampling_params.top_k", "not 0"]),
+        (
+            submission(sampling_params={"regex": "a+", "ebnf": "root ::= 'a'"}),
+            422,
+            ["sampling_params.ebnf", "regex and ebnf are set"],
+        ),
+        (submission(sampling_params={"logit_bias": {"x": 1.0}}), 422, ["sampling_params.logit_bias.x"]),
+        (
+            submission(sampling_params={"custom_params": {"k": [1, {"a": 1}]}}),
+            422,
+            ["sampling_params.custom_params"],
+        ),
         (submission(sampling_params={"temperature": "0.7"}), 422, ["sampling_params.temperature"]),
         (submission(sampling_params={"ignore_eos": 1}), 422, ["sampling_params.ignore_eos"]),
         (
@@ -448,3 +460,47 @@ async def test_liveness_answers_from_memory_while_the_database_hangs() -> None:
             assert health.json() == {"status": "ok", "database": "error: TimeoutError: no answer within 5 s"}
             ready = await http.get("/ready")
             assert ready.status_code == 503 and "database error" in ready.json()["detail"]
+
+
+# Every name of SGLang's SamplingParams with a valid value; of the grammars (one at most), regex.
+EVERY_SGLANG_PARAM: dict[str, Any] = {
+    "max_new_tokens": 200, "min_new_tokens": 1, "temperature": 0.5, "top_p": 0.9, "top_k": 20,
+    "min_p": 0.05, "frequency_penalty": 0.1, "presence_penalty": -0.1, "repetition_penalty": 1.05,
+    "stop": ["\u2603 never sampled"], "stop_token_ids": [], "stop_regex": ["never[0-9]{99}"],
+    "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": False,
+    "no_stop_trim": True, "n": 1, "regex": "(.|\n)*", "structural_tag": '{"type": "none"}',
+    "logit_bias": {"5": 0.5}, "custom_params": {"return_top_p_token_ids": True, "k": [1, "a", None]},
+    "sampling_seed": 1234, "stream_interval": 4,
+}  # fmt: skip
+
+
+def test_the_api_takes_the_names_sglang_takes() -> None:
+    from service.api.schemas import SamplingParams
+    from service.sim.worker import SGLANG_SAMPLING_PARAMS
+
+    assert set(SamplingParams.model_fields) == SGLANG_SAMPLING_PARAMS
+    assert set(EVERY_SGLANG_PARAM) == SGLANG_SAMPLING_PARAMS - {"json_schema", "ebnf"}
+
+
+async def test_sampling_params_reach_the_engine_as_given(
+    client: httpx.AsyncClient, sim: tuple[SimWorker, str]
+) -> None:
+    """Every SGLang name is forwarded unchanged on every turn; nulls (slime sends `stop: None`) are
+    SGLang's defaults, left out; a single stop string is the list of it SGLang reads."""
+    slime_style = {"max_new_tokens": 100, "stop": None, "stop_token_ids": None, "no_stop_trim": True}
+    cases = {
+        "all-params": (EVERY_SGLANG_PARAM, EVERY_SGLANG_PARAM),
+        "slime-style": (slime_style, {"max_new_tokens": 100, "no_stop_trim": True}),
+        "one-stop": ({"stop": "</x>"}, {"stop": ["</x>"], "max_new_tokens": 1024}),
+    }
+    for batch_id, (given, forwarded) in cases.items():
+        body = submission(batch_id=batch_id, task_indices=[0], samples_per_task=1, sampling_params=given)
+        accepted = await client.post("/episodes", json=body)
+        assert accepted.status_code == 202, accepted.text
+        await wait_complete(client, batch_id)
+        episode_id = accepted.json()["episode_ids"][0]
+        sent = [request.sampling_params for request in sim[0].requests if request.rid.startswith(episode_id)]
+        assert sent and all(params == forwarded for params in sent), (batch_id, sent[:1])
+        stored = (await client.get(f"/episodes/{episode_id}")).json()
+        assert stored["sampling_params"] == forwarded
+        assert stored["status"] != "failed", stored["error"]  # the engine took them

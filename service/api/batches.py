@@ -1,7 +1,9 @@
-"""GET /batches/{id}: what the trainer pulls, as JSON or as an Arrow IPC stream, with long-poll."""
+"""GET /batches/{id}: what the trainer pulls, as JSON or as an Arrow IPC stream, with long-poll;
+POST /batches/{id}/cancel: what it no longer wants."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Response
@@ -14,14 +16,17 @@ from service.api.presenters import (
     batch_summary_json,
     tokens_json_stream,
 )
-from service.api.schemas import BATCH_ID_PATTERN, BatchOut
+from service.api.schemas import BATCH_ID_PATTERN, BatchOut, CancelOut
 from service.app_state import Services
+from service.records import attempt_rid_prefix
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
-from service.storage.batches import batch_unfinished
+from service.storage.batches import batch_unfinished, cancel_batch
 
 router = APIRouter(tags=["batches"])
 
 JSON_SIZE_FACTOR = 4  # a token's JSON text against its stored bytes, about
+CANCEL_ABORTS_AT_ONCE = 64  # engine aborts of a cancelled batch in flight together
+BatchId = Annotated[str, Path(max_length=128, pattern=BATCH_ID_PATTERN)]
 
 
 @router.get(
@@ -39,7 +44,7 @@ JSON_SIZE_FACTOR = 4  # a token's JSON text against its stored bytes, about
 )
 async def get_batch_results(
     services: ServicesDep,
-    batch_id: Annotated[str, Path(max_length=128, pattern=BATCH_ID_PATTERN)],
+    batch_id: BatchId,
     wait: Annotated[
         float, Query(ge=0, description="Long-poll: seconds to wait for the batch to complete.")
     ] = 0,
@@ -61,6 +66,36 @@ async def get_batch_results(
     if rows is None:  # decided before the stream starts: past its status line it cannot be a 404
         raise NotFound(f"no batch {batch_id!r}")
     return arrow_stream(rows) if arrow else tokens_json_stream(rows)
+
+
+@router.post(
+    "/batches/{batch_id}/cancel",
+    operation_id="cancel_batch",
+    response_model=CancelOut,
+    responses=responses(NotFound, DatabaseUnavailable),
+)
+async def cancel(services: ServicesDep, batch_id: BatchId) -> CancelOut:
+    """Ends the batch's queued and running episodes `cancelled`; finished ones stay as they are.
+    Idempotent. Running episodes stop at once: here by cancelling them, elsewhere by aborting their
+    engine requests; another process's episode waiting on its env stops at its next lease renewal
+    (LEASE_SECONDS / 3), and its result, if any, is not stored."""
+    cancellation = await cancel_batch(services.database, batch_id)
+    if cancellation is None:
+        raise NotFound(f"no batch {batch_id!r}")
+    running = dict(cancellation.running)
+    here = services.worker.cancel(running) if services.worker is not None else set()
+    limit = asyncio.Semaphore(CANCEL_ABORTS_AT_ONCE)
+
+    async def abort(episode_id: str) -> None:
+        async with limit:
+            await services.engine.abort(attempt_rid_prefix(episode_id, running[episode_id]))
+
+    await asyncio.gather(*(abort(episode_id) for episode_id in running.keys() - here))
+    services.metrics.episodes_cancelled(cancellation.queued, len(running))
+    services.results.notify()  # long-polls of this batch: it may be complete now
+    return CancelOut(
+        batch_id=batch_id, cancelled=cancellation.queued + len(running), counts=cancellation.counts
+    )
 
 
 async def _complete(services: Services, batch_id: str) -> bool:

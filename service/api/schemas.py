@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from service.api.values import JSON_INTEGER, MAX_JSON_DEPTH, Integer, Text, field_error, storable_json
 from service.records import DEFAULT_MAX_NEW_TOKENS, EpisodeStatus, TurnRecord
@@ -25,41 +25,84 @@ REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 
+# JSON values of SGLang's custom_params (its CustomParamValue): a scalar, a list or a flat object of them.
+JsonScalar = None | bool | int | float | Text
+CustomParam = JsonScalar | list[JsonScalar] | dict[str, JsonScalar]
+# SGLang takes one string or a list of them: one is stored as a list of one, as SGLang reads it.
+StopStrings = Annotated[
+    list[StopString],
+    Field(max_length=MAX_STOP_STRINGS),
+    BeforeValidator(lambda value: [value] if isinstance(value, str) else value),
+]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
 class SamplingParams(BaseModel):
-    """SGLang sampling parameters of every turn; unknown names are refused, not silently dropped."""
+    """SGLang's sampling_params of every turn: each name SGLang's /generate takes (its
+    sampling_params.py), checked against the bounds SGLang enforces, and forwarded as given. A
+    name SGLang does not know is refused, not silently dropped."""
 
     model_config = REQUEST_CONFIG
 
     max_new_tokens: Integer = Field(
         default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=1_000_000, description="Per turn."
     )
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: Integer = Field(default=-1, ge=-1, le=INT32_MAX, description="-1: off.")
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = Field(default=1.0, gt=0)
-    stop: list[StopString] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    min_new_tokens: Integer | None = Field(default=None, ge=0, description="At most max_new_tokens.")
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: Integer | None = Field(default=None, ge=-1, le=INT32_MAX, description="-1: off.")
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2, description="1: off.")
+    stop: StopStrings | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX), JSON_INTEGER]] | None = Field(
         default=None, max_length=MAX_STOP_TOKEN_IDS
     )
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    min_new_tokens: Integer = Field(default=0, ge=0, description="At most max_new_tokens.")
+    stop_regex: StopStrings | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    n: Integer | None = Field(
+        default=None, ge=1, le=1, description="Only 1: an episode follows one conversation."
+    )
+    json_schema: Text | None = None
+    regex: Text | None = None
+    ebnf: Text | None = None
+    structural_tag: Text | None = None
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], float] | None = Field(
+        default=None, description="Token id (as a string) -> bias."
+    )
+    custom_params: Annotated[dict[str, CustomParam], AfterValidator(storable_json)] | None = Field(
+        default=None, description="For SGLang's custom logit processors."
+    )
+    sampling_seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1), JSON_INTEGER] | None = None
+    stream_interval: Integer | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
-    def _min_within_max(self) -> Self:
-        if self.min_new_tokens > self.max_new_tokens:
+    def _consistent(self) -> Self:
+        if self.min_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise field_error(
                 ["min_new_tokens"],
                 "min_new_tokens_above_max",
                 f"min_new_tokens ({self.min_new_tokens}) is above max_new_tokens ({self.max_new_tokens})",
                 self.min_new_tokens,
             )
+        if self.top_k == 0:
+            raise field_error(["top_k"], "top_k_zero", "top_k is -1 (off) or at least 1, not 0", 0)
+        grammars = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        if len(grammars) > 1:
+            raise field_error(
+                [grammars[1]],
+                "one_grammar",
+                f"{' and '.join(grammars)} are set: SGLang takes only one of json_schema, regex, ebnf",
+                getattr(self, grammars[1]),
+            )
         return self
 
     def to_sglang(self) -> dict[str, Any]:
+        """What was given (null is SGLang's default, so it is left out), and max_new_tokens always."""
         return self.model_dump(exclude_none=True)
 
 
@@ -158,6 +201,12 @@ class BatchOut(BaseModel):
         description="Episodes of complete groups only: a group arrives whole, once all its samples ended. "
         "With include_tokens=true each carries its token arrays."
     )
+
+
+class CancelOut(BaseModel):
+    batch_id: str
+    cancelled: int = Field(description="Episodes this call cancelled (queued or running); 0 on a repeat.")
+    counts: dict[str, int] = Field(description="The batch's episodes per status, after.")
 
 
 class EnvOut(BaseModel):

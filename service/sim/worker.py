@@ -40,6 +40,18 @@ class SimHTTPError(Exception):
         self.message = message
 
 
+# The names SGLang's SamplingParams takes from a request (python/sglang/srt/sampling/sampling_params.py).
+SGLANG_SAMPLING_PARAMS = frozenset(
+    {
+        "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+        "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+        "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+        "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+        "logit_bias", "sampling_seed",
+    }
+)  # fmt: skip
+
+
 @dataclass
 class SimRequest:
     """What one POST /generate carried, and what it was answered (for tests and benchmarks)."""
@@ -142,6 +154,9 @@ class SimWorker:
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise SimHTTPError(400, "sampling_params must be an object.")
+        unknown = sorted(params.keys() - SGLANG_SAMPLING_PARAMS)
+        if unknown:  # SGLang builds its SamplingParams struct from the dict: a stray name is a TypeError
+            raise SimHTTPError(400, f"Unexpected keyword argument {unknown[0]!r}")
         max_new_tokens = params.get("max_new_tokens", 128)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise SimHTTPError(400, "max_new_tokens must be a non-negative int.")

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer
@@ -49,6 +49,18 @@ class Submission:
 
 class BatchConflict(Exception):
     """The batch id is taken by a different request."""
+
+
+@dataclass(frozen=True)
+class Cancellation:
+    """What cancelling a batch changed: its episodes that were queued or running are cancelled."""
+
+    queued: int  # cancelled before they started
+    running: list[tuple[str, int]]  # (episode id, attempt) of those cancelled while running
+    counts: dict[str, int]  # the batch's episodes per status, after
+
+
+CANCELLED_ERROR = "cancelled: its batch was cancelled"
 
 
 def new_episode_id() -> str:
@@ -123,6 +135,41 @@ async def submit_batch(database: Database, new: NewBatch) -> Submission:
             .order_by(Episode.group_index, Episode.sample_index)
         )
         return Submission(list(episode_ids), created)
+
+
+async def cancel_batch(
+    database: Database, batch_id: str, *, now: datetime | None = None
+) -> Cancellation | None:
+    """Marks the batch cancelled and ends every queued or running episode of it `cancelled`, in one
+    statement (None: no such batch). A running episode's result write is fenced by status, so its
+    worker's late result changes nothing; the caller and the workers stop the work (see
+    api/batches.py, EpisodeWorker._cancel_loop). One UPDATE, not one per
+    status: under PostgreSQL's READ COMMITTED an episode claimed meanwhile is re-checked and still
+    matches, where a second statement for running episodes would have run before the claim."""
+    unfinished = (EpisodeStatus.QUEUED.value, EpisodeStatus.RUNNING.value)
+    now = now or utcnow()
+    async with database.writer.begin() as session:
+        batch = await session.get(Batch, batch_id)
+        if batch is None:
+            return None
+        if batch.cancelled_at is None:  # the first cancellation's time
+            batch.cancelled_at = now
+        rows = await session.execute(
+            update(Episode)
+            .where(Episode.batch_id == batch_id, Episode.status.in_(unfinished))
+            .values(
+                status=EpisodeStatus.CANCELLED.value,
+                error=CANCELLED_ERROR,
+                lease_expires_at=None,
+                finished_at=now,
+            )
+            .returning(Episode.id, Episode.attempt, Episode.started_at)
+            .execution_options(synchronize_session=False)
+        )
+        cancelled = rows.all()
+        counts = await batch_status_counts(session, batch_id)
+    running = [(row.id, row.attempt) for row in cancelled if row.started_at is not None]
+    return Cancellation(queued=len(cancelled) - len(running), running=running, counts=counts)
 
 
 async def get_batch(session: AsyncSession, batch_id: str) -> Batch | None:

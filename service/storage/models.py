@@ -78,6 +78,8 @@ class Batch(Base):
     task_split: Mapped[str] = mapped_column(String(64))
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
     created_at: Mapped[datetime]
+    # Set by POST /batches/{id}/cancel; workers look it up for the batches of their running episodes.
+    cancelled_at: Mapped[datetime | None]
 
     episodes: Mapped[list[Episode]] = relationship(back_populates="batch", lazy="raise")
 

@@ -14,11 +14,12 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import ColumnElement, Row, String, Table, Update, bindparam, cast, literal, select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.storage import blobs
 from service.storage.db import IN_LIST_CHUNK, utcnow
-from service.storage.models import REQUEST_COLUMNS, Episode
+from service.storage.models import REQUEST_COLUMNS, Batch, Episode
 from service.storage.writer import Transactions
 
 _QUEUED = EpisodeStatus.QUEUED.value
@@ -279,3 +280,15 @@ async def release_episodes(
             )
             released += len(result.all())
     return released
+
+
+async def cancelled_batches(reader: async_sessionmaker[AsyncSession], batch_ids: Collection[str]) -> set[str]:
+    """Those of `batch_ids` that were cancelled: a lookup by primary key per chunk of ids."""
+    cancelled: set[str] = set()
+    async with reader() as session:
+        for chunk in _chunks(sorted(batch_ids)):
+            rows = await session.scalars(
+                select(Batch.id).where(Batch.id.in_(chunk), Batch.cancelled_at.is_not(None))
+            )
+            cancelled.update(rows)
+    return cancelled

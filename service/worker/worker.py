@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -35,6 +35,7 @@ STORE_BACKOFF_SECONDS = 0.2  # first delay between tries of a result write; doub
 STORE_BACKOFF_MAX_SECONDS = 2.0  # up to this: a result is held until the database takes it
 WRITES_DRAIN_SECONDS = 15.0  # on shutdown, how long result writes already under way may take
 CANCEL_WAIT_SECONDS = 5.0  # on shutdown, how long cancelled episodes may take to unwind
+CANCELLED_POLL_SECONDS = 0.5  # how often the batches of running episodes are checked for a cancel
 # What a busy or briefly unreachable database raises; anything else is a bug and is not swallowed.
 DATABASE_ERRORS = (DBAPIError, SQLAlchemyTimeoutError, OSError)
 # What no retry fixes: the row or its data is refused (e.g. a NUL character in a JSON text).
@@ -80,12 +81,26 @@ class EpisodeWorker:
             asyncio.create_task(self._claim_loop(), name="claim"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._sweep_loop(), name="sweep"),
+            asyncio.create_task(self._cancelled_loop(), name="cancelled"),
         ]
         logger.info("worker %s started", self.worker_id)
 
     def wake(self) -> None:
         """New work was enqueued: claim now instead of at the next poll."""
         self._wake.set()
+
+    def cancel(self, episode_ids: Collection[str]) -> set[str]:
+        """Stops those of `episode_ids` that run here (their batch was cancelled): cancelling an
+        episode's task aborts its engine request and closes its env. Returns the ids that ran here."""
+        here = set()
+        for episode_id in episode_ids:
+            running = self.running.get(episode_id)
+            if running is None:
+                continue
+            here.add(episode_id)
+            if not running.writing and not running.task.done():  # a write under way is fenced out
+                running.task.cancel()
+        return here
 
     async def stop(self, timeout: float | None = None) -> None:
         """Stops claiming; lets in-flight episodes finish for `timeout` seconds, then cancels and
@@ -234,7 +249,8 @@ class EpisodeWorker:
             for episode_id in set(ids) - renewed:
                 running = self.running.get(episode_id)
                 if running is not None and not running.writing and not running.task.done():
-                    logger.warning("lost the lease of episode %s; another worker re-runs it", episode_id)
+                    # Re-queued behind its back (another worker runs it), or its batch was cancelled.
+                    logger.warning("lost the lease of episode %s; stopped", episode_id)
                     running.task.cancel()
 
     async def _sweep_loop(self) -> None:
@@ -256,3 +272,27 @@ class EpisodeWorker:
                         logger.info("re-queued %d episodes whose lease expired", count)
                         self.wake()
             await asyncio.sleep(self.settings.sweep_interval_seconds)
+
+    async def _cancelled_loop(self) -> None:
+        """Stops the running episodes of batches cancelled through any process (POST
+        /batches/{id}/cancel): this process's engine requests were aborted there, but an episode
+        between two of them (in its env) would go on to the next."""
+        while True:
+            await asyncio.sleep(CANCELLED_POLL_SECONDS)
+            batches = {running.claim.batch_id for running in self.running.values() if not running.writing}
+            if not batches:
+                continue
+            try:
+                cancelled = await queue.cancelled_batches(self.database.reader, batches)
+            except DATABASE_ERRORS as error:
+                self.database.status.failed(error)
+                logger.warning("checking for cancelled batches failed: %s", error)
+                continue
+            if cancelled:
+                ids = [
+                    key
+                    for key, running in self.running.items()
+                    if running.claim.batch_id in cancelled and not running.writing
+                ]
+                logger.info("stopping %d episodes of cancelled batches %s", len(ids), sorted(cancelled))
+                self.cancel(ids)

@@ -25,7 +25,7 @@ from service.storage.models import Episode
 REPO_DIR = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_SECONDS = 60.0
 POLL_SECONDS = 0.05
-FINISHED = {"completed", "truncated", "aborted", "failed"}
+FINISHED = {"completed", "truncated", "aborted", "failed", "cancelled"}
 # The settings the service runs with in subprocess tests, as environment variables (keyword
 # arguments of `service_process` override them): INFO logs, which the tests read; a short lease
 # and fast sweep and claim loops, so that recovery happens within a test's timeouts; one env

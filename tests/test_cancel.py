@@ -1,0 +1,164 @@
+"""POST /batches/{id}/cancel on SQLite and PostgreSQL: queued episodes end `cancelled` at once,
+running ones are stopped (in this process, and in another through the engine) and end `cancelled`,
+finished ones stay; nothing runs on afterwards; a repeat changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.app import create_app
+from service.serving import serve_app
+from service.sim.policy import SimConfig
+from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
+from service.storage.db import Database
+from tests.conftest import service_settings
+from tests.support.service_process import episodes_of, service_process, submission, wait_for
+
+FINISHED = {"completed", "truncated", "aborted", "failed"}
+SLOW_TURN_SECONDS = 0.4  # long enough that a cancel finds episodes mid-turn
+QUIET_SECONDS = 1.0  # after a cancel, how long no cancelled episode may call the engine
+# A worker in another process finds its episodes' batch cancelled within this (its poll: 0.5 s).
+NOTICE_SECONDS = 1.0
+
+
+@pytest.fixture
+def slow_sim() -> Any:
+    worker = SimWorker(SimConfig(latency_seconds=SLOW_TURN_SECONDS))
+    with serve_in_thread(create_sim_app(worker.config, worker=worker)) as url:
+        yield worker, url
+
+
+@pytest.fixture
+async def slow_client(database_url: str, slow_sim: tuple[SimWorker, str]) -> AsyncIterator[httpx.AsyncClient]:
+    # Two episodes at a time: the rest of a batch stays queued while those two run.
+    app = create_app(service_settings(database_url, slow_sim[1], max_running_episodes=2))
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        yield http
+
+
+def generate_calls(sim: SimWorker, episode_ids: set[str]) -> int:
+    return sum(1 for request in sim.requests if request.rid.split(":")[0] in episode_ids)
+
+
+async def metric(http: httpx.AsyncClient, name: str, **labels: str) -> float:
+    text = (await http.get("/metrics")).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def wait_running(db: Database, batch_id: str, count: int) -> None:
+    async def running() -> bool:
+        statuses = [episode.status for episode in await episodes_of(db, batch_id)]
+        return statuses.count("running") >= count
+
+    await wait_for(running, 20, f"{count} running episodes of {batch_id}")
+
+
+async def test_cancel_ends_queued_and_running_episodes_and_keeps_finished_ones(
+    slow_client: httpx.AsyncClient, slow_sim: tuple[SimWorker, str], db: Database
+) -> None:
+    sim = slow_sim[0]
+    accepted = await slow_client.post("/episodes", json=submission("c-1", 4, 2))
+    assert accepted.status_code == 202, accepted.text
+    episode_ids = set(accepted.json()["episode_ids"])
+    await wait_running(db, "c-1", 2)
+
+    response = await slow_client.post("/batches/c-1/cancel")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["batch_id"] == "c-1"
+    assert body["counts"]["queued"] == body["counts"]["running"] == 0
+    assert body["cancelled"] == body["counts"]["cancelled"] >= 6  # at most 2 finished meanwhile
+    assert sum(body["counts"].values()) == 8
+
+    # The running ones were stopped at the engine: their requests answered abort, and no cancelled
+    # episode calls the engine again.
+    await wait_for(lambda: _true(sim.running == 0), 5, "the engine to be idle")
+    calls = generate_calls(sim, episode_ids)
+    await asyncio.sleep(QUIET_SECONDS)
+    assert generate_calls(sim, episode_ids) == calls
+    episodes = await episodes_of(db, "c-1")
+    cancelled = [episode for episode in episodes if episode.status == "cancelled"]
+    assert len(cancelled) == body["cancelled"]
+    assert all(
+        episode.finished_at is not None and "cancelled" in (episode.error or "") for episode in cancelled
+    )
+    assert all(episode.status in FINISHED | {"cancelled"} for episode in episodes)
+    assert await metric(slow_client, "rollout_episodes_cancelled_total", when="running") == 2
+    assert (
+        await metric(slow_client, "rollout_episodes_cancelled_total", when="queued") == body["cancelled"] - 2
+    )
+
+    # Final everywhere: the batch is complete, its groups arrive with their cancelled samples.
+    batch = (await slow_client.get("/batches/c-1", params={"wait": 5})).json()
+    assert batch["complete"] and batch["groups_complete"] == 4
+    assert {episode["status"] for episode in batch["episodes"]} <= FINISHED | {"cancelled"}
+    one = (await slow_client.get(f"/episodes/{cancelled[0].id}")).json()
+    assert one["status"] == "cancelled"
+
+    # Idempotent: a repeat cancels nothing and changes nothing.
+    again = await slow_client.post("/batches/c-1/cancel")
+    assert again.status_code == 200
+    assert again.json() == body | {"cancelled": 0}
+
+
+async def test_cancel_of_a_finished_batch_changes_nothing(client: httpx.AsyncClient, db: Database) -> None:
+    assert (await client.post("/episodes", json=submission("done", 2, 1))).status_code == 202
+    batch = (await client.get("/batches/done", params={"wait": 30})).json()
+    assert batch["complete"]
+    response = await client.post("/batches/done/cancel")
+    assert response.status_code == 200
+    assert response.json() == {"batch_id": "done", "cancelled": 0, "counts": batch["counts"]}
+    assert (await client.get("/batches/done")).json()["counts"] == batch["counts"]
+
+
+async def test_cancel_of_an_unknown_batch_is_404(client: httpx.AsyncClient) -> None:
+    response = await client.post("/batches/nope/cancel")
+    assert response.status_code == 404
+    assert "nope" in response.text
+
+
+async def test_cancel_through_an_api_process_stops_another_process_episodes(
+    database_url: str, db: Database, tmp_path: Path, slow_sim: tuple[SimWorker, str]
+) -> None:
+    """The API process holds none of the running episodes: it aborts them at the engine, and the
+    worker process stores none of their results."""
+    sim, sglang_url = slow_sim
+    async with (
+        service_process(tmp_path, database_url, sglang_url, "api", run_worker="false") as api,
+        service_process(tmp_path, database_url, sglang_url, "worker", max_running_episodes=2) as worker,
+        httpx.AsyncClient(base_url=api.url, timeout=30) as http,
+    ):
+        accepted = await http.post("/episodes", json=submission("c-x", 3, 2))
+        assert accepted.status_code == 202, accepted.text
+        episode_ids = set(accepted.json()["episode_ids"])
+        await wait_running(db, "c-x", 2)
+        response = await http.post("/batches/c-x/cancel")
+        assert response.status_code == 200, response.text
+        assert response.json()["counts"]["running"] == 0
+
+        await asyncio.sleep(NOTICE_SECONDS)
+        await wait_for(lambda: _true(sim.running == 0), 5, "the engine to be idle")
+        worker_log = "\n".join(line.get("message", "") for line in worker.log_lines())
+        assert "episodes of cancelled batches ['c-x']" in worker_log
+        calls = generate_calls(sim, episode_ids)
+        await asyncio.sleep(QUIET_SECONDS)
+        assert generate_calls(sim, episode_ids) == calls
+        statuses = [episode.status for episode in await episodes_of(db, "c-x")]
+        assert statuses.count("cancelled") == response.json()["cancelled"] >= 4
+        assert worker.process.returncode is None
+
+
+async def _true(value: bool) -> bool:
+    return value

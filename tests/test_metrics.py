@@ -13,7 +13,7 @@ from service.storage.db import Database
 from service.storage.models import Episode
 
 TASKS, SAMPLES = 3, 2
-FINISHED_LABELS = {"completed", "truncated", "aborted", "failed"}
+FINISHED_LABELS = {"completed", "truncated", "aborted", "failed", "cancelled"}
 ALL_STATUSES = FINISHED_LABELS | {"queued", "running"}
 
 

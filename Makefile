@@ -7,10 +7,10 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo test lint pytest openapi bench serve clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev]" -e ./client
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,7 +23,7 @@ demo: $(STAMP)
 test: lint pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check service tests bench scripts docker
+	$(BIN)/ruff check service client tests bench scripts docker examples
 	$(BIN)/mypy
 
 pytest: $(STAMP)

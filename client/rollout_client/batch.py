@@ -1,0 +1,137 @@
+"""A batch's Arrow stream, decoded for a trainer: per-episode numpy views of the token columns.
+
+Each token column (a list column) is flattened once into one numpy array over the Arrow buffer,
+and an episode's array is a slice of it: no Python object per token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+TOKEN_COLUMNS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs")
+
+
+@dataclass(frozen=True)
+class EpisodeArrays:
+    """One episode of a batch: its scalars and its token arrays (views into the batch's columns)."""
+
+    episode_id: str
+    batch_id: str
+    group_index: int
+    sample_index: int
+    task_index: int
+    status: str
+    reward: float | None
+    attempt: int
+    num_turns: int | None
+    prompt_ids: npt.NDArray[np.int32]
+    response_ids: npt.NDArray[np.int32]
+    loss_mask: npt.NDArray[np.uint8]
+    rollout_logprobs: npt.NDArray[np.float64]
+    weight_versions: list[str | None]  # per generate call
+    finish_reasons: list[str | None]  # per generate call
+    error: str | None
+    messages_json: str = field(repr=False)
+    info_json: str = field(repr=False)
+
+    @cached_property
+    def messages(self) -> list[dict[str, Any]] | None:
+        value: list[dict[str, Any]] | None = json.loads(self.messages_json)
+        return value
+
+    @cached_property
+    def info(self) -> dict[str, Any] | None:
+        value: dict[str, Any] | None = json.loads(self.info_json)
+        return value
+
+
+class _Flat:
+    """A list column as (offsets, values): row i is values[offsets[i]:offsets[i + 1]]."""
+
+    def __init__(self, column: pa.ChunkedArray) -> None:
+        array = column.combine_chunks()
+        self.offsets = array.offsets.to_numpy()
+        values = array.values
+        self.values = values.to_numpy(zero_copy_only=values.null_count == 0)
+
+    def row(self, index: int) -> Any:
+        return self.values[self.offsets[index] : self.offsets[index + 1]]
+
+
+class Batch:
+    """The episodes of a batch's complete groups, from the service's Arrow stream. Scalar columns
+    are arrays over all episodes (`reward` is NaN where null); `batch[i]` is one episode."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self.episode_id: list[str] = table.column("episode_id").to_pylist()
+        self.batch_id: list[str] = table.column("batch_id").to_pylist()
+        self.status: list[str] = table.column("status").to_pylist()
+        self.error: list[str | None] = table.column("error").to_pylist()
+        self.group_index = self._numbers("group_index")
+        self.sample_index = self._numbers("sample_index")
+        self.task_index = self._numbers("task_index")
+        self.attempt = self._numbers("attempt")
+        self.num_turns = self._numbers("num_turns")
+        self.reward = self._numbers("reward").astype(np.float64)
+        self._rewards: list[float | None] = table.column("reward").to_pylist()
+        self._turns: list[int | None] = table.column("num_turns").to_pylist()
+        self._weight_versions: list[list[str | None] | None] = table.column("weight_versions").to_pylist()
+        self._finish_reasons: list[list[str | None] | None] = table.column("finish_reasons").to_pylist()
+        self._messages: list[str] = table.column("messages_json").to_pylist()
+        self._info: list[str] = table.column("info_json").to_pylist()
+        self._tokens = {name: _Flat(table.column(name)) for name in TOKEN_COLUMNS}
+
+    def _numbers(self, name: str) -> npt.NDArray[Any]:
+        numbers: npt.NDArray[Any] = self.table.column(name).to_numpy()
+        return numbers
+
+    def __len__(self) -> int:
+        return int(self.table.num_rows)
+
+    def __iter__(self) -> Iterator[EpisodeArrays]:
+        return (self[index] for index in range(len(self)))
+
+    def __getitem__(self, index: int) -> EpisodeArrays:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"episode {index} of a batch of {len(self)}")
+        index %= len(self)
+        tokens = {name: flat.row(index) for name, flat in self._tokens.items()}
+        return EpisodeArrays(
+            episode_id=self.episode_id[index],
+            batch_id=self.batch_id[index],
+            group_index=int(self.group_index[index]),
+            sample_index=int(self.sample_index[index]),
+            task_index=int(self.task_index[index]),
+            status=self.status[index],
+            reward=self._rewards[index],
+            attempt=int(self.attempt[index]),
+            num_turns=self._turns[index],
+            weight_versions=self._weight_versions[index] or [],
+            finish_reasons=self._finish_reasons[index] or [],
+            error=self.error[index],
+            messages_json=self._messages[index],
+            info_json=self._info[index],
+            **tokens,
+        )
+
+    def groups(self) -> dict[int, list[EpisodeArrays]]:
+        """Episodes by group index, each group in sample order."""
+        groups: dict[int, list[EpisodeArrays]] = {}
+        for index in np.lexsort((self.sample_index, self.group_index)):
+            episode = self[int(index)]
+            groups.setdefault(episode.group_index, []).append(episode)
+        return groups
+
+
+def read_table(body: bytes) -> pa.Table:
+    """An Arrow IPC stream (the service's batch pull) as a Table."""
+    return pa.ipc.open_stream(body).read_all()

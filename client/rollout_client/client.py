@@ -1,0 +1,225 @@
+"""RolloutClient and AsyncRolloutClient: the service's API for a training job.
+
+Both run the same plans (plans.py), one with httpx.Client and time.sleep, the other with
+httpx.AsyncClient and asyncio.sleep: a method is one line in each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import httpx
+import pyarrow as pa
+
+from rollout_client import plans
+from rollout_client.batch import Batch
+from rollout_client.plans import Call, Outcome, Pause, Plan, Retries, Submission
+
+T = TypeVar("T")
+
+
+class _Api:
+    """What both clients share: where the service is, how to authenticate, how long to wait, how
+    often to retry, and the plan of each call."""
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None,
+        timeout: float,
+        retries: int,
+        backoff: float,
+        max_backoff: float,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = timeout
+        self.retries = Retries(retries, backoff, max_backoff)
+
+    def http_options(self) -> dict[str, Any]:
+        # Long-polls hold a connection each: no pool limit makes concurrent waits queue behind them.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        return {"base_url": self.url, "headers": self.headers, "timeout": self.timeout, "limits": limits}
+
+    def request_options(self, call: Call) -> dict[str, Any]:
+        return {
+            "params": call.params,
+            "json": call.json,
+            "headers": call.headers,
+            "timeout": call.timeout if call.timeout is not None else self.timeout,
+        }
+
+    # The plan of each call of the API.
+
+    def envs(self) -> Plan[Any]:
+        return plans.json_of(Call("GET", "/envs"), self.retries)
+
+    def submit(self, env: str, task_indices: Sequence[int], **fields: Any) -> Plan[Submission]:
+        return plans.submit(self.retries, env, task_indices, **fields)
+
+    def wait(self, batch_id: str, timeout: float | None, poll: float) -> Plan[dict[str, Any]]:
+        return plans.wait(self.retries, batch_id, timeout, poll, self.timeout)
+
+    def summary(self, batch_id: str, wait: float) -> Plan[dict[str, Any]]:
+        return plans.summary(self.retries, batch_id, wait, self.timeout)
+
+    def batch(self, batch_id: str) -> Plan[Batch]:
+        return plans.batch(self.retries, batch_id, self.timeout)
+
+    def batch_table(self, batch_id: str) -> Plan[pa.Table]:
+        return plans.batch_table(self.retries, batch_id, self.timeout)
+
+    def episode(self, episode_id: str, wait: float) -> Plan[dict[str, Any]]:
+        return plans.episode(self.retries, episode_id, wait, self.timeout)
+
+    def cancel(self, batch_id: str) -> Plan[Any]:
+        return plans.json_of(Call("POST", f"/batches/{batch_id}/cancel"), self.retries)
+
+
+class RolloutClient:
+    """The service's API, blocking. `RolloutClient(url, api_key)`; use it in a `with` block or
+    close() it. Every call retries connection errors and 5xx; a 4xx raises RequestError."""
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        retries: int = 8,
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+        http: httpx.Client | None = None,
+    ) -> None:
+        self._api = _Api(url, api_key, timeout, retries, backoff, max_backoff)
+        self._http = http or httpx.Client(**self._api.http_options())
+
+    def _run(self, plan: Plan[T]) -> T:
+        step = next(plan)
+        while True:
+            outcome: Outcome | None = None
+            if isinstance(step, Pause):
+                time.sleep(step.seconds)
+            else:
+                try:
+                    outcome = self._http.request(step.method, step.path, **self._api.request_options(step))
+                except httpx.TransportError as error:
+                    outcome = error
+            try:
+                step = plan.send(outcome)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def envs(self) -> list[dict[str, Any]]:
+        """GET /envs: the environments, their splits and sizes."""
+        return self._run(self._api.envs())
+
+    def submit(self, env: str, task_indices: Sequence[int], **fields: Any) -> Submission:
+        """POST /episodes: `samples_per_task`, `task_split`, `sampling_params`, `max_turns`,
+        `max_response_tokens`, `metadata`, `batch_id` (generated when absent) as keywords."""
+        return self._run(self._api.submit(env, task_indices, **fields))
+
+    def wait(self, batch_id: str, timeout: float | None = None, *, poll: float = 30.0) -> dict[str, Any]:
+        """Long-polls until the batch is complete; returns its summary. Raises WaitTimeout."""
+        return self._run(self._api.wait(batch_id, timeout, poll))
+
+    def summary(self, batch_id: str, wait: float = 0) -> dict[str, Any]:
+        """GET /batches/{id}: counts and the complete groups' episodes, without tokens."""
+        return self._run(self._api.summary(batch_id, wait))
+
+    def batch(self, batch_id: str) -> Batch:
+        """The complete groups' episodes with their token arrays (the Arrow stream, decoded)."""
+        return self._run(self._api.batch(batch_id))
+
+    def batch_table(self, batch_id: str) -> pa.Table:
+        return self._run(self._api.batch_table(batch_id))
+
+    def episode(self, episode_id: str, wait: float = 0) -> dict[str, Any]:
+        """GET /episodes/{id}; `wait` long-polls until it finished."""
+        return self._run(self._api.episode(episode_id, wait))
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        """POST /batches/{id}/cancel: its unfinished episodes end cancelled. Idempotent."""
+        return self._run(self._api.cancel(batch_id))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncRolloutClient:
+    """RolloutClient's API for asyncio: the same methods, awaited; `async with` or aclose()."""
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        retries: int = 8,
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._api = _Api(url, api_key, timeout, retries, backoff, max_backoff)
+        self._http = http or httpx.AsyncClient(**self._api.http_options())
+
+    async def _run(self, plan: Plan[T]) -> T:
+        step = next(plan)
+        while True:
+            outcome: Outcome | None = None
+            if isinstance(step, Pause):
+                await asyncio.sleep(step.seconds)
+            else:
+                try:
+                    options = self._api.request_options(step)
+                    outcome = await self._http.request(step.method, step.path, **options)
+                except httpx.TransportError as error:
+                    outcome = error
+            try:
+                step = plan.send(outcome)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    async def envs(self) -> list[dict[str, Any]]:
+        return await self._run(self._api.envs())
+
+    async def submit(self, env: str, task_indices: Sequence[int], **fields: Any) -> Submission:
+        return await self._run(self._api.submit(env, task_indices, **fields))
+
+    async def wait(
+        self, batch_id: str, timeout: float | None = None, *, poll: float = 30.0
+    ) -> dict[str, Any]:
+        return await self._run(self._api.wait(batch_id, timeout, poll))
+
+    async def summary(self, batch_id: str, wait: float = 0) -> dict[str, Any]:
+        return await self._run(self._api.summary(batch_id, wait))
+
+    async def batch(self, batch_id: str) -> Batch:
+        return await self._run(self._api.batch(batch_id))
+
+    async def batch_table(self, batch_id: str) -> pa.Table:
+        return await self._run(self._api.batch_table(batch_id))
+
+    async def episode(self, episode_id: str, wait: float = 0) -> dict[str, Any]:
+        return await self._run(self._api.episode(episode_id, wait))
+
+    async def cancel(self, batch_id: str) -> dict[str, Any]:
+        return await self._run(self._api.cancel(batch_id))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncRolloutClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

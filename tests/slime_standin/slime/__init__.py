@@ -1,0 +1,1 @@
+"""Stand-in for slime (see tests/slime_standin/README.md)."""

@@ -109,11 +109,17 @@ class ServiceProcess:
 
 @asynccontextmanager
 async def service_process(
-    log_dir: Path, database_url: str, sglang_url: str, name: str = "service", **settings: object
+    log_dir: Path,
+    database_url: str,
+    sglang_url: str,
+    name: str = "service",
+    *,
+    port: int | None = None,
+    **settings: object,
 ) -> AsyncIterator[ServiceProcess]:
-    """Starts the service with SERVICE_ENV updated by `settings` (lower-case setting names) and
-    waits for /health; always kills its process group on exit."""
-    port = free_port()
+    """Starts the service (on `port`, else a free one) with SERVICE_ENV updated by `settings`
+    (lower-case setting names) and waits for /health; always kills its process group on exit."""
+    port = port or free_port()
     environment = {
         **os.environ,
         "DATABASE_URL": database_url,

@@ -1,0 +1,200 @@
+"""rollout_client against a live service on SQLite and PostgreSQL: what it pulls is what the service
+stored, a retried submit makes no second copy, a wait outlives a service restart, and errors say
+what went wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from rollout_client import (
+    AsyncRolloutClient,
+    RequestError,
+    RolloutClient,
+    ServiceUnavailable,
+    WaitTimeout,
+)
+
+from service.storage.db import Database
+from tests.support.service_process import (
+    episodes_of,
+    free_port,
+    service_process,
+    simulated_sglang,
+    submission,
+    wait_for,
+)
+
+TASKS, SAMPLES = 3, 2
+
+
+def fields(batch_id: str) -> dict[str, Any]:
+    body = submission(batch_id, TASKS, SAMPLES)
+    del body["env"], body["task_indices"], body["samples_per_task"]
+    return body
+
+
+async def assert_batch_is_what_was_stored(http: httpx.AsyncClient, batch: Any) -> None:
+    assert len(batch) == TASKS * SAMPLES == batch.table.num_rows
+    for episode in batch:
+        stored = (await http.get(f"/episodes/{episode.episode_id}")).json()
+        assert episode.prompt_ids.dtype == np.int32 and episode.response_ids.dtype == np.int32
+        assert episode.loss_mask.dtype == np.uint8 and episode.rollout_logprobs.dtype == np.float64
+        assert episode.prompt_ids.tolist() == stored["prompt_ids"]
+        assert episode.response_ids.tolist() == stored["response_ids"]
+        assert episode.loss_mask.tolist() == stored["loss_mask"]
+        assert episode.rollout_logprobs.tolist() == stored["rollout_logprobs"]
+        assert len(episode.response_ids) == len(episode.loss_mask) == len(episode.rollout_logprobs)
+        assert (episode.status, episode.reward, episode.num_turns) == (
+            stored["status"], stored["reward"], stored["num_turns"],
+        )  # fmt: skip
+        assert episode.weight_versions == stored["weight_versions"]
+        assert episode.messages == stored["messages"] and episode.info == stored["info"]
+    groups = batch.groups()
+    assert sorted(groups) == list(range(TASKS))
+    assert all([e.sample_index for e in group] == list(range(SAMPLES)) for group in groups.values())
+    np.testing.assert_array_equal(batch.reward, [np.nan if e.reward is None else e.reward for e in batch])
+
+
+async def test_async_client_submits_waits_and_pulls_exact_arrays(client: httpx.AsyncClient) -> None:
+    async with AsyncRolloutClient(str(client.base_url)) as rollouts:
+        envs = await rollouts.envs()
+        assert "builtin/shop" in {env["name"] for env in envs}
+        submitted = await rollouts.submit(
+            "builtin/shop", range(TASKS), samples_per_task=SAMPLES, **fields("a-1")
+        )
+        assert (
+            submitted.batch_id == "a-1"
+            and submitted.created
+            and len(submitted.episode_ids) == TASKS * SAMPLES
+        )
+        summary = await rollouts.wait("a-1", timeout=60)
+        assert summary["complete"] and summary["total"] == TASKS * SAMPLES
+        batch = await rollouts.batch("a-1")
+        await assert_batch_is_what_was_stored(client, batch)
+        assert (await rollouts.batch_table("a-1")).num_rows == TASKS * SAMPLES
+        episode = await rollouts.episode(submitted.episode_ids[0], wait=5)
+        assert episode["id"] == submitted.episode_ids[0]
+
+
+async def test_sync_client_submits_waits_and_pulls_exact_arrays(client: httpx.AsyncClient) -> None:
+    def run() -> Any:
+        with RolloutClient(str(client.base_url)) as rollouts:
+            submitted = rollouts.submit("builtin/shop", list(range(TASKS)), samples_per_task=SAMPLES)
+            assert submitted.batch_id.startswith("b-")  # generated: every submit carries one
+            rollouts.wait(submitted.batch_id, timeout=60)
+            return rollouts.batch(submitted.batch_id)
+
+    await assert_batch_is_what_was_stored(client, await asyncio.to_thread(run))
+
+
+class LoseFirstAnswer(httpx.AsyncBaseTransport):
+    """Forwards every request; the first POST /episodes reaches the service, but its answer is lost
+    (as when a connection drops or a proxy times out after the server committed)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.posts = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.method == "POST" and request.url.path == "/episodes":
+            self.posts += 1
+            if self.posts == 1:
+                await response.aclose()
+                raise httpx.ReadError("connection reset after the request was sent", request=request)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_retried_submit_gets_the_same_episodes(client: httpx.AsyncClient, db: Database) -> None:
+    transport = LoseFirstAnswer()
+    http = httpx.AsyncClient(base_url=str(client.base_url), transport=transport)
+    async with AsyncRolloutClient(str(client.base_url), http=http, backoff=0.01) as rollouts:
+        submitted = await rollouts.submit("builtin/shop", range(TASKS), samples_per_task=SAMPLES)
+        assert transport.posts == 2 and not submitted.created  # the retry found the first one's batch
+        again = await rollouts.submit(
+            "builtin/shop", range(TASKS), samples_per_task=SAMPLES, batch_id=submitted.batch_id
+        )
+        assert again.episode_ids == submitted.episode_ids
+    stored = await episodes_of(db, submitted.batch_id)
+    assert [episode.id for episode in stored] == submitted.episode_ids  # one copy, in order
+
+
+async def test_errors_carry_the_service_message(client: httpx.AsyncClient) -> None:
+    async with AsyncRolloutClient(str(client.base_url)) as rollouts:
+        with pytest.raises(RequestError) as refused:
+            await rollouts.submit("no/such-env", [0])
+        assert refused.value.status_code == 422
+        assert "env" in refused.value.message and "builtin/shop" in refused.value.message
+        with pytest.raises(RequestError) as missing:
+            await rollouts.summary("no-such-batch")
+        assert missing.value.status_code == 404 and "no-such-batch" in str(missing.value)
+
+
+async def test_retries_give_up_with_service_unavailable() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    async with AsyncRolloutClient(url, retries=2, backoff=0.01) as rollouts:
+        with pytest.raises(ServiceUnavailable, match="failed 3 times; last: ConnectError"):
+            await rollouts.envs()
+
+
+async def test_cancel_and_wait_timeout(database_url: str, db: Database, tmp_path: Path) -> None:
+    async with (
+        simulated_sglang(latency_seconds=0.5) as (_, sglang_url),
+        service_process(tmp_path, database_url, sglang_url, max_running_episodes=2) as service,
+        AsyncRolloutClient(service.url) as rollouts,
+    ):
+        submitted = await rollouts.submit("builtin/shop", range(TASKS), samples_per_task=SAMPLES)
+        with pytest.raises(WaitTimeout):
+            await rollouts.wait(submitted.batch_id, timeout=0.5)
+        cancelled = await rollouts.cancel(submitted.batch_id)
+        assert cancelled["cancelled"] >= TASKS * SAMPLES - 2
+        assert cancelled["counts"]["queued"] == cancelled["counts"]["running"] == 0
+        summary = await rollouts.wait(submitted.batch_id, timeout=10)
+        assert summary["counts"]["cancelled"] == cancelled["cancelled"]
+        assert (await rollouts.cancel(submitted.batch_id))["cancelled"] == 0
+
+
+async def test_wait_outlives_a_service_restart(database_url: str, db: Database, tmp_path: Path) -> None:
+    """The service is killed mid-wait and started again on the same port and database: the
+    client's wait keeps asking and returns the completed batch."""
+    port = free_port()
+    outcome: dict[str, Any] = {}
+    async with simulated_sglang(latency_seconds=0.2) as (sim, sglang_url):
+        async with service_process(tmp_path, database_url, sglang_url, "first", port=port) as first:
+            rollouts = RolloutClient(first.url, backoff=0.2, max_backoff=1.0)
+            submitted = rollouts.submit("builtin/shop", list(range(TASKS)), samples_per_task=SAMPLES)
+
+            def wait() -> None:
+                try:
+                    outcome["summary"] = rollouts.wait(submitted.batch_id, timeout=90, poll=2)
+                except Exception as error:
+                    outcome["error"] = error
+
+            waiter = threading.Thread(target=wait)
+            waiter.start()
+            await wait_for(lambda: _true(any(r.rid for r in sim.requests)), 20, "the first turn")
+            first.kill()
+        assert waiter.is_alive()  # still waiting through the outage
+        async with service_process(tmp_path, database_url, sglang_url, "second", port=port):
+            await asyncio.to_thread(waiter.join, 90)
+        rollouts.close()
+    assert "error" not in outcome, outcome.get("error")
+    summary = outcome["summary"]
+    assert summary["complete"] and summary["total"] == TASKS * SAMPLES
+    assert summary["counts"]["failed"] == 0
+    assert sorted(episode.id for episode in await episodes_of(db, submitted.batch_id)) == sorted(
+        submitted.episode_ids
+    )
+
+
+async def _true(value: bool) -> bool:
+    return value

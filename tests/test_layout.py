@@ -1,8 +1,12 @@
-"""The package's layering: no module of `service` imports one that imports it back, even lazily."""
+"""The packages' layering: no module of `service` imports one that imports it back, even lazily;
+the client imports nothing of the service's."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import service
@@ -83,3 +87,18 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 
 def test_the_core_imports_nothing_of_the_service() -> None:
     assert import_graph()["service.records"] == set()
+
+
+def test_the_client_stands_alone() -> None:
+    """rollout_client goes into a trainer's environment: it pulls in no part of the service, no web
+    framework, database or tokenizer, and its package asks for httpx, pyarrow and numpy only."""
+    heavy = ["service", "fastapi", "sqlalchemy", "transformers", "torch", "tau_bench", "uvicorn"]
+    check = (
+        "import sys, rollout_client, rollout_client.slime; "
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"
+    pyproject = tomllib.loads((PACKAGE_DIR.parent / "client" / "pyproject.toml").read_text())
+    names = {requirement.split(">")[0].split("=")[0] for requirement in pyproject["project"]["dependencies"]}
+    assert names == {"httpx", "pyarrow", "numpy"}

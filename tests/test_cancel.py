@@ -65,18 +65,24 @@ async def wait_running(db: Database, batch_id: str, count: int) -> None:
     await wait_for(running, 20, f"{count} running episodes of {batch_id}")
 
 
+async def cancel_once_running(
+    http: httpx.AsyncClient, db: Database, batch_id: str, tasks: int
+) -> tuple[set[str], dict[str, Any]]:
+    """Submits `tasks` x 2 episodes, cancels them once two run; their ids and the cancel's answer."""
+    accepted = await http.post("/episodes", json=submission(batch_id, tasks, 2))
+    assert accepted.status_code == 202, accepted.text
+    await wait_running(db, batch_id, 2)
+    response = await http.post(f"/batches/{batch_id}/cancel")
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return set(accepted.json()["episode_ids"]), answer
+
+
 async def test_cancel_ends_queued_and_running_episodes_and_keeps_finished_ones(
     slow_client: httpx.AsyncClient, slow_sim: tuple[SimWorker, str], db: Database
 ) -> None:
     sim = slow_sim[0]
-    accepted = await slow_client.post("/episodes", json=submission("c-1", 4, 2))
-    assert accepted.status_code == 202, accepted.text
-    episode_ids = set(accepted.json()["episode_ids"])
-    await wait_running(db, "c-1", 2)
-
-    response = await slow_client.post("/batches/c-1/cancel")
-    assert response.status_code == 200, response.text
-    body = response.json()
+    episode_ids, body = await cancel_once_running(slow_client, db, "c-1", 4)
     assert body["batch_id"] == "c-1"
     assert body["counts"]["queued"] == body["counts"]["running"] == 0
     assert body["cancelled"] == body["counts"]["cancelled"] >= 6  # at most 2 finished meanwhile
@@ -140,13 +146,8 @@ async def test_cancel_through_an_api_process_stops_another_process_episodes(
         service_process(tmp_path, database_url, sglang_url, "worker", max_running_episodes=2) as worker,
         httpx.AsyncClient(base_url=api.url, timeout=30) as http,
     ):
-        accepted = await http.post("/episodes", json=submission("c-x", 3, 2))
-        assert accepted.status_code == 202, accepted.text
-        episode_ids = set(accepted.json()["episode_ids"])
-        await wait_running(db, "c-x", 2)
-        response = await http.post("/batches/c-x/cancel")
-        assert response.status_code == 200, response.text
-        assert response.json()["counts"]["running"] == 0
+        episode_ids, answer = await cancel_once_running(http, db, "c-x", 3)
+        assert answer["counts"]["running"] == 0
 
         await asyncio.sleep(NOTICE_SECONDS)
         await wait_for(lambda: _true(sim.running == 0), 5, "the engine to be idle")
@@ -156,7 +157,7 @@ async def test_cancel_through_an_api_process_stops_another_process_episodes(
         await asyncio.sleep(QUIET_SECONDS)
         assert generate_calls(sim, episode_ids) == calls
         statuses = [episode.status for episode in await episodes_of(db, "c-x")]
-        assert statuses.count("cancelled") == response.json()["cancelled"] >= 4
+        assert statuses.count("cancelled") == answer["cancelled"] >= 4
         assert worker.process.returncode is None
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 import httpx
 import pyarrow as pa
@@ -21,23 +22,37 @@ from rollout_client.plans import Call, Outcome, Pause, Plan, Retries, Submission
 T = TypeVar("T")
 
 
+class Options(TypedDict, total=False):
+    timeout: float  # seconds per request, beyond a long-poll's wait (default 60)
+    retries: int  # tries after the first, for connection errors, 5xx, 408, 429 (default 8)
+    backoff: float  # first pause between tries, doubling (default 0.5 s)
+    max_backoff: float  # longest pause (default 10 s)
+
+
+@dataclass
+class _Done(Generic[T]):
+    value: T
+
+
 class _Api:
     """What both clients share: where the service is, how to authenticate, how long to wait, how
-    often to retry, and the plan of each call."""
+    often to retry, the plan of each call, and how a plan moves on."""
 
-    def __init__(
-        self,
-        url: str,
-        api_key: str | None,
-        timeout: float,
-        retries: int,
-        backoff: float,
-        max_backoff: float,
-    ) -> None:
+    def __init__(self, url: str, api_key: str | None, options: Options) -> None:
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.timeout = timeout
-        self.retries = Retries(retries, backoff, max_backoff)
+        self.timeout = options.get("timeout", 60.0)
+        self.retries = Retries(
+            options.get("retries", 8), options.get("backoff", 0.5), options.get("max_backoff", 10.0)
+        )
+
+    @staticmethod
+    def advance(plan: Plan[T], outcome: Outcome | None) -> Call | Pause | _Done[T]:
+        """The plan's next step, given the outcome of the last (None: a pause, or the start)."""
+        try:
+            return plan.send(outcome)  # a plan not started yet takes None as next() would
+        except StopIteration as done:
+            return _Done(done.value)
 
     def http_options(self) -> dict[str, Any]:
         # Long-polls hold a connection each: no pool limit makes concurrent waits queue behind them.
@@ -88,30 +103,26 @@ class RolloutClient:
         url: str,
         api_key: str | None = None,
         *,
-        timeout: float = 60.0,
-        retries: int = 8,
-        backoff: float = 0.5,
-        max_backoff: float = 10.0,
         http: httpx.Client | None = None,
+        **options: Unpack[Options],
     ) -> None:
-        self._api = _Api(url, api_key, timeout, retries, backoff, max_backoff)
+        self._api = _Api(url, api_key, options)
         self._http = http or httpx.Client(**self._api.http_options())
 
     def _run(self, plan: Plan[T]) -> T:
-        step = next(plan)
-        while True:
-            outcome: Outcome | None = None
-            if isinstance(step, Pause):
-                time.sleep(step.seconds)
-            else:
-                try:
-                    outcome = self._http.request(step.method, step.path, **self._api.request_options(step))
-                except httpx.TransportError as error:
-                    outcome = error
-            try:
-                step = plan.send(outcome)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        step = self._api.advance(plan, None)
+        while not isinstance(step, _Done):
+            step = self._api.advance(plan, self._outcome(step))
+        return step.value
+
+    def _outcome(self, step: Call | Pause) -> Outcome | None:
+        if isinstance(step, Pause):
+            time.sleep(step.seconds)
+            return None
+        try:
+            return self._http.request(step.method, step.path, **self._api.request_options(step))
+        except httpx.TransportError as error:
+            return error
 
     def envs(self) -> list[dict[str, Any]]:
         """GET /envs: the environments, their splits and sizes."""
@@ -163,31 +174,26 @@ class AsyncRolloutClient:
         url: str,
         api_key: str | None = None,
         *,
-        timeout: float = 60.0,
-        retries: int = 8,
-        backoff: float = 0.5,
-        max_backoff: float = 10.0,
         http: httpx.AsyncClient | None = None,
+        **options: Unpack[Options],
     ) -> None:
-        self._api = _Api(url, api_key, timeout, retries, backoff, max_backoff)
+        self._api = _Api(url, api_key, options)
         self._http = http or httpx.AsyncClient(**self._api.http_options())
 
     async def _run(self, plan: Plan[T]) -> T:
-        step = next(plan)
-        while True:
-            outcome: Outcome | None = None
-            if isinstance(step, Pause):
-                await asyncio.sleep(step.seconds)
-            else:
-                try:
-                    options = self._api.request_options(step)
-                    outcome = await self._http.request(step.method, step.path, **options)
-                except httpx.TransportError as error:
-                    outcome = error
-            try:
-                step = plan.send(outcome)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        step = self._api.advance(plan, None)
+        while not isinstance(step, _Done):
+            step = self._api.advance(plan, await self._outcome(step))
+        return step.value
+
+    async def _outcome(self, step: Call | Pause) -> Outcome | None:
+        if isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+            return None
+        try:
+            return await self._http.request(step.method, step.path, **self._api.request_options(step))
+        except httpx.TransportError as error:
+            return error
 
     async def envs(self) -> list[dict[str, Any]]:
         return await self._run(self._api.envs())

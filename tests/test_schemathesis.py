@@ -77,8 +77,9 @@ schema.config.generation.update(max_examples=MAX_EXAMPLES)
 def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> schemathesis.Case:
     """A schema-valid submission, made one this deployment takes: the envs, their task counts and
     the episodes per request are the deployment's, which no static contract can state (it refuses
-    others with a 422 naming the env or task, or a 413), and min_new_tokens <= max_new_tokens is a
-    rule between two fields. Invalid submissions (negative cases) go as generated."""
+    others with a 422 naming the env or task, or a 413), and SGLang's rules between sampling fields
+    are beyond a JSON schema: min_new_tokens <= max_new_tokens, top_k not 0, one grammar at most.
+    Invalid submissions (negative cases) go as generated."""
     positive = case.meta is not None and case.meta.generation.mode is schemathesis.GenerationMode.POSITIVE
     if case.operation.label != "POST /episodes" or not positive or not isinstance(case.body, dict):
         return case
@@ -88,8 +89,13 @@ def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> sche
     body.update(env=ENV, task_split=SPLIT, task_indices=tasks, samples_per_task=samples)
     params = dict(body.get("sampling_params") or {})
     longest = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    if params.get("min_new_tokens", 0) > longest:
+    if (params.get("min_new_tokens") or 0) > longest:
         params["min_new_tokens"] = longest
+    if params.get("top_k") == 0:
+        params["top_k"] = 1
+    grammars = [name for name in ("json_schema", "regex", "ebnf") if params.get(name) is not None]
+    for name in grammars[1:]:
+        del params[name]
     body["sampling_params"] = params
     case.body = body
     return case

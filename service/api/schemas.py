@@ -5,7 +5,15 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Self
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
 
 from service.api.values import JSON_INTEGER, MAX_JSON_DEPTH, Integer, Text, field_error, storable_json
 from service.records import DEFAULT_MAX_NEW_TOKENS, EpisodeStatus, TurnRecord
@@ -35,6 +43,18 @@ StopStrings = Annotated[
     BeforeValidator(lambda value: [value] if isinstance(value, str) else value),
 ]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
+TOKEN_ID_KEY = r"^[0-9]{1,10}$"
+# Pydantic states the keys' pattern as patternProperties alone, which lets other keys through.
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=TOKEN_ID_KEY)], float],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "patternProperties": {TOKEN_ID_KEY: {"type": "number"}},
+            "additionalProperties": False,
+        }
+    ),
+]
 
 
 class SamplingParams(BaseModel):
@@ -47,10 +67,14 @@ class SamplingParams(BaseModel):
     max_new_tokens: Integer = Field(
         default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=1_000_000, description="Per turn."
     )
-    min_new_tokens: Integer | None = Field(default=None, ge=0, description="At most max_new_tokens.")
+    min_new_tokens: Annotated[int, Field(ge=0), JSON_INTEGER] | None = Field(
+        default=None, description="At most max_new_tokens."
+    )
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: Integer | None = Field(default=None, ge=-1, le=INT32_MAX, description="-1: off.")
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX), JSON_INTEGER] | None = Field(
+        default=None, description="-1: off; not 0."
+    )
     min_p: float | None = Field(default=None, ge=0, le=1)
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
@@ -64,21 +88,20 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
-    n: Integer | None = Field(
-        default=None, ge=1, le=1, description="Only 1: an episode follows one conversation."
+    n: Annotated[int, Field(ge=1, le=1), JSON_INTEGER] | None = Field(
+        default=None, description="Only 1: an episode follows one conversation."
     )
     json_schema: Text | None = None
     regex: Text | None = None
     ebnf: Text | None = None
     structural_tag: Text | None = None
-    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], float] | None = Field(
-        default=None, description="Token id (as a string) -> bias."
-    )
+    logit_bias: LogitBias | None = Field(default=None, description="Token id (as a string) -> bias.")
     custom_params: Annotated[dict[str, CustomParam], AfterValidator(storable_json)] | None = Field(
         default=None, description="For SGLang's custom logit processors."
     )
-    sampling_seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1), JSON_INTEGER] | None = None
-    stream_interval: Integer | None = Field(default=None, ge=1)
+    # Exact in a JSON number (a double) up to 2**53.
+    sampling_seed: Annotated[int, Field(ge=0, le=2**53), JSON_INTEGER] | None = None
+    stream_interval: Annotated[int, Field(ge=1, le=INT32_MAX), JSON_INTEGER] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

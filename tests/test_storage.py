@@ -150,6 +150,7 @@ async def test_enqueue_and_read_back(db: Database) -> None:
         counts = await batch_status_counts(session, batch_id)
         assert counts == {
             "queued": 6, "running": 0, "completed": 0, "truncated": 0, "aborted": 0, "failed": 0,
+            "cancelled": 0,
         }  # fmt: skip
         assert (await status_counts(session))["queued"] == 6
         episodes = await load_batch_episodes(session, batch_id)
@@ -233,6 +234,7 @@ async def test_finish_stores_the_outcome_once(db: Database) -> None:
         )
         assert await batch_status_counts(session, batch_id) == {
             "queued": 0, "running": 0, "completed": 1, "truncated": 0, "aborted": 0, "failed": 0,
+            "cancelled": 0,
         }  # fmt: skip
     async with db.sessionmaker() as session:
         (light,) = await load_batch_episodes(session, batch_id, with_tokens=False)

@@ -18,7 +18,7 @@ from service.api.errors import install_error_handlers
 from service.api.middleware import install_middleware
 from service.app_state import EnginePause, ResultsSignal, Services
 from service.config import Settings
-from service.engine.client import SGLangClient, make_control_client
+from service.engine.client import AbortQuiet, SGLangClient, make_control_client
 from service.engine.transport import SocketTransport
 from service.envs.base import UserSimConfig
 from service.envs.host import EnvHost
@@ -99,6 +99,9 @@ async def lifespan(
             timeout_seconds=settings.engine_timeout_seconds,
             worker_urls=settings.worker_url_list,
             transport=transport,
+            abort_quiet=AbortQuiet(
+                settings.engine_abort_quiet_seconds, 16 * settings.engine_abort_quiet_seconds
+            ),
         )
         results = ResultsSignal()
         pause = EnginePause(settings.max_pause_seconds, lambda: engine.control("/continue_generation", {}))
@@ -114,7 +117,13 @@ async def lifespan(
                 call_timeout_seconds=settings.env_call_timeout_seconds,
             )
             resources.push_async_callback(env_host.close)
-            runner = EpisodeRunner(engine, env_host, chat, get_parser(settings.tool_call_format))
+            runner = EpisodeRunner(
+                engine,
+                env_host,
+                chat,
+                get_parser(settings.tool_call_format),
+                max_turn_resumes=settings.max_turn_resumes,
+            )
 
             def episode_stored(claim: ClaimedEpisode, result: EpisodeResult) -> None:
                 metrics.episode_finished(result)

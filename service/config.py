@@ -142,6 +142,18 @@ class Settings(BaseSettings):
     engine_timeout_seconds: float = Field(default=600.0, gt=0, description="Timeout of one /generate call.")
     engine_retries: int = Field(default=5, ge=0, description="Retries of a connection error or 5xx.")
     engine_backoff_seconds: float = Field(default=0.5, ge=0, description="First retry delay; doubles.")
+    max_turn_resumes: int = Field(
+        default=8,
+        ge=0,
+        description="Engine aborts (weight updates, pause_generation) one turn is resumed after; "
+        "one more fails the episode.",
+    )
+    engine_abort_quiet_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        description="After the engine aborts requests, no generate call goes to it for this long "
+        "(doubling, up to 16x, while aborts keep coming), so that a trainer sees it idle.",
+    )
     max_pause_seconds: float = Field(
         default=600.0,
         gt=0,

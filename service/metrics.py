@@ -36,6 +36,11 @@ class Metrics:
         for when in ("queued", "running"):
             self.cancelled.labels(when)
         self.turns = Counter("rollout_turns", "Generate calls of finished episodes.", registry=registry)
+        self.resumes = Counter(
+            "rollout_turn_resumes",
+            "Generate calls of finished episodes that resumed a turn the engine aborted.",
+            registry=registry,
+        )
         self.tokens = Counter(
             "rollout_tokens",
             "Tokens of finished episodes: prompt, sampled, context.",
@@ -79,6 +84,7 @@ class Metrics:
     def episode_finished(self, result: EpisodeResult) -> None:
         self.finished.labels(result.status.value).inc()
         self.turns.inc(len(result.turns))
+        self.resumes.inc(len(result.turns) - result.num_turns)
         sampled = sum(result.loss_mask)
         self.tokens.labels("prompt").inc(len(result.prompt_ids))
         self.tokens.labels("sampled").inc(sampled)

@@ -77,6 +77,8 @@ class EpisodeSpec:
 
 @dataclass
 class TurnRecord:
+    """One generate call: a turn's first, or a resume of it after the engine aborted it."""
+
     turn: int
     weight_version: str | None
     finish_reason: dict[str, Any]
@@ -85,6 +87,7 @@ class TurnRecord:
     env_seconds: float = 0.0
     action: str | None = None  # the tool called, "respond", or None when the turn ended the episode
     has_logprobs: bool = True  # False: SGLang sent no logprobs; this turn's are placeholders (0.0)
+    resume: int = 0  # 0: the turn's first generate call; n: its n-th resume after an engine abort
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,6 +112,11 @@ class EpisodeResult:
     # An infrastructure failure (engine unreachable, env worker crashed) that another attempt
     # may not meet: the worker re-queues the episode while it has attempts left.
     retryable: bool = False
+
+    @property
+    def num_turns(self) -> int:
+        """Turns played; `turns` holds a record per generate call (a resumed turn has several)."""
+        return sum(1 for record in self.turns if record.resume == 0)
 
     def __post_init__(self) -> None:
         if not self.status.finished:

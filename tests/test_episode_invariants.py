@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from itertools import cycle, islice
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from service.api.presenters import token_version_codes
 from service.engine.client import Generation
 from service.envs.base import Action, Reset, Step
 from service.loop.runner import EpisodeRunner
@@ -32,13 +34,19 @@ text = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size
 )
 
 
+MAX_TURN_RESUMES = 3
+
+
 @dataclass
 class PlannedTurn:
     kind: str  # tool | respond | malformed
     body: str
-    finish: str  # stop_with_token | stop_without_token | length | abort
+    finish: str  # stop_with_token | stop_without_token | length | length_at_eot | refused
     observation: str
     split_seed: int
+    # Engine aborts (a weight update) cutting the turn's calls short, each after `cuts[i]` more of
+    # its tokens; past MAX_TURN_RESUMES the episode fails.
+    cuts: list[int] = field(default_factory=list)
 
 
 @st.composite
@@ -46,28 +54,24 @@ def planned_turns(draw: st.DrawFn) -> PlannedTurn:
     kind = draw(st.sampled_from(["tool", "tool", "respond", "malformed"]))
     finish = draw(
         st.sampled_from(
-            ["stop_with_token", "stop_with_token", "stop_without_token", "length", "length_at_eot", "abort"]
+            ["stop_with_token", "stop_with_token", "stop_without_token", "length", "length_at_eot", "refused"]
         )
     )
-    return PlannedTurn(kind, draw(text), finish, draw(text), draw(st.integers(0, 2**32)))
+    cuts = draw(st.lists(st.integers(0, 12), max_size=MAX_TURN_RESUMES + 1))
+    return PlannedTurn(kind, draw(text), finish, draw(text), draw(st.integers(0, 2**32)), cuts)
 
 
 @dataclass
 class RecordingEngine:
+    """Answers each turn's calls from its plan: the turn's output (which `finish` ends), cut by an
+    abort after each of `cuts` (partial output, finish abort) and continued by the resumed calls."""
+
     turns: list[PlannedTurn]
     variant: ChatVariant
     calls: list[tuple[list[int], Generation]] = field(default_factory=list)
+    rids: list[str] = field(default_factory=list)
 
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling_params: dict[str, Any],
-        rid: str,
-        *,
-        input_ids_json: str | None = None,
-    ) -> Generation:
-        assert input_ids_json is not None and json.loads(input_ids_json) == list(input_ids)
-        plan = self.turns[len(self.calls)]
+    def planned_output(self, plan: PlannedTurn) -> tuple[list[int], list[float], dict[str, Any]]:
         if plan.kind == "tool":
             call = json.dumps({"name": "lookup", "arguments": {"q": plan.body[:20]}})
             reply = f"{plan.body}<tool_call>\n{call}\n</tool_call>"
@@ -81,9 +85,9 @@ class RecordingEngine:
         if plan.finish == "length":
             ids = ids[: max(1, len(ids) // 2)]
             finish = {"type": "length", "length": len(ids)}
-        elif plan.finish == "abort":
+        elif plan.finish == "refused":  # an abort that is the engine refusing the request (4xx)
             ids = ids[: len(ids) // 3]
-            finish = {"type": "abort", "message": "aborted by test"}
+            finish = {"type": "abort", "message": "refused by test", "status_code": 400}
         elif plan.finish == "length_at_eot":  # the end of turn was the last allowed token
             ids = [*ids, self.variant.end_of_turn_id]
             finish = {"type": "length", "length": len(ids)}
@@ -91,7 +95,30 @@ class RecordingEngine:
             if plan.finish == "stop_with_token":
                 ids = [*ids, self.variant.end_of_turn_id]
             finish = {"type": "stop", "matched": self.variant.end_of_turn_id}
-        logprobs = [-rng.random() * 3 for _ in ids]
+        return ids, [-rng.random() * 3 for _ in ids], finish
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        *,
+        input_ids_json: str | None = None,
+    ) -> Generation:
+        assert input_ids_json is not None and json.loads(input_ids_json) == list(input_ids)
+        turn_part = rid.split(":")[2]
+        turn, resume = int(turn_part.split(".")[0]), int(turn_part.partition(".")[2] or 0)
+        plan = self.turns[turn]
+        ids, logprobs, finish = self.planned_output(plan)
+        done = sum(plan.cuts[:resume])  # what the calls before this one sampled
+        if resume < len(plan.cuts) and done + plan.cuts[resume] < len(ids):
+            end = done + plan.cuts[resume]
+            finish = {"type": "abort", "message": "Abort request (a weight update)"}
+        else:
+            end = len(ids)
+        ids, logprobs = ids[done:end], logprobs[done:end]
+        if finish["type"] == "length":  # as SGLang: the length of this call's output
+            finish = {"type": "length", "length": len(ids)}
         generation = Generation(
             output_ids=ids,
             logprobs=logprobs,
@@ -103,6 +130,7 @@ class RecordingEngine:
             text=self.variant.chat.decode(ids),
         )
         self.calls.append((list(input_ids), generation))
+        self.rids.append(rid)
         return generation
 
     async def abort(self, rid: str) -> None:
@@ -160,8 +188,10 @@ def run_episode(
     variant = variant or chat_variant("chatml")
     engine = RecordingEngine(turns, variant)
     session = ScriptedSession(system or "sys", [TOOL_SCHEMA], first or "hi", turns, done_at)
-    runner = EpisodeRunner(engine, ScriptedEnvs(session), variant.chat, get_parser("qwen25"))
-    spec = EpisodeSpec("ep", 0, EpisodeRequest("test", "train", 0, {"max_new_tokens": 64}, max_turns))
+    runner = EpisodeRunner(
+        engine, ScriptedEnvs(session), variant.chat, get_parser("qwen25"), max_turn_resumes=MAX_TURN_RESUMES
+    )
+    spec = EpisodeSpec("ep", 0, EpisodeRequest("test", "train", 0, {"max_new_tokens": 512}, max_turns))
     return asyncio.run(runner.run(spec)), engine
 
 
@@ -170,6 +200,17 @@ def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
     assert_trainer_contract(
         result.prompt_ids, result.response_ids, result.loss_mask, result.rollout_logprobs, calls
     )
+    # Resumed turns: nothing sampled twice or lost (the stored sampled tokens are every call's
+    # output, in order), one record per call, and each sampled token carries its call's version.
+    sampled = [token for token, m in zip(result.response_ids, result.loss_mask, strict=True) if m]
+    assert sampled == [token for _, g in engine.calls for token in g.output_ids]
+    assert [turn.resume for turn in result.turns] == [int(rid.partition(".")[2] or 0) for rid in engine.rids]
+    codes, versions = token_version_codes(
+        np.array(result.loss_mask, np.uint8), [t.to_json() for t in result.turns]
+    )
+    expected = [f"v{index}" for index, (_, g) in enumerate(engine.calls) for _ in g.output_ids]
+    assert [versions[code] for code in codes if code >= 0] == expected
+    assert all(code == -1 for code, m in zip(codes, result.loss_mask, strict=True) if not m)
     # 4. P + R is the transcript as the model is fed it: one full render of the messages, and the
     # tokens of every turn boundary are present (header after each env message, close after each turn).
     chat = engine.variant.chat
@@ -200,8 +241,11 @@ def test_invariants_hold_for_any_conversation(
     last = engine.calls[-1][1]
     assert len(engine.calls) == len(result.turns)
     assert [turn.weight_version for turn in result.turns] == [f"v{i}" for i in range(len(engine.calls))]
-    if last.finish_type == "abort":
-        assert result.status is EpisodeStatus.ABORTED
+    if last.finish_type == "abort" and "status_code" in last.finish_reason:
+        assert result.status is EpisodeStatus.ABORTED  # refused, not resumed
+    elif last.finish_type == "abort":  # interrupted more than MAX_TURN_RESUMES times
+        assert result.status is EpisodeStatus.FAILED and "MAX_TURN_RESUMES" in (result.error or "")
+        assert [turn.resume for turn in result.turns][-1] == MAX_TURN_RESUMES
     elif last.finish_type == "length" and last.output_ids[-1:] != [variant.end_of_turn_id]:
         assert result.status is EpisodeStatus.TRUNCATED
     elif result.status is EpisodeStatus.COMPLETED:
@@ -244,3 +288,31 @@ def test_turn_limit_truncates() -> None:
     result, engine = run_episode("sys", "hello", turns, done_at=10, max_turns=3)
     check_invariants(result, engine)
     assert result.status is EpisodeStatus.TRUNCATED and len(engine.calls) == 3
+
+
+def test_a_turn_the_engine_aborts_resumes_without_losing_or_repeating_a_token() -> None:
+    """A weight update aborts the first turn twice: its calls continue each other (rids
+    `<id>:<attempt>:<turn>.<n>`), and the episode ends as if nothing happened."""
+    turns = [
+        PlannedTurn("tool", "look it up", "stop_with_token", "found", 1, cuts=[3, 0, 5]),
+        PlannedTurn("respond", "done", "stop_with_token", "###STOP###", 2),
+    ]
+    result, engine = run_episode("sys", "hello", turns, done_at=1, max_turns=4)
+    check_invariants(result, engine)
+    assert result.status is EpisodeStatus.COMPLETED and result.reward == 1.0
+    assert engine.rids == ["ep:0:0", "ep:0:0.1", "ep:0:0.2", "ep:0:0.3", "ep:0:1"]
+    assert [len(g.output_ids) for _, g in engine.calls][:3] == [3, 0, 5]
+    assert result.num_turns == 2 and len(result.turns) == 5
+    uninterrupted, _, _ = engine.planned_output(turns[0])
+    assert [token for _, g in engine.calls[:4] for token in g.output_ids] == uninterrupted
+
+
+def test_a_turn_aborted_past_max_turn_resumes_fails_the_episode() -> None:
+    turns = [
+        PlannedTurn("tool", "look it up", "stop_with_token", "found", 1, cuts=[1] * (MAX_TURN_RESUMES + 1))
+    ]
+    result, engine = run_episode("sys", "hello", turns, done_at=1, max_turns=4)
+    check_invariants(result, engine)
+    assert result.status is EpisodeStatus.FAILED and result.reward is None
+    assert len(engine.calls) == MAX_TURN_RESUMES + 1
+    assert result.error is not None and f"MAX_TURN_RESUMES={MAX_TURN_RESUMES}" in result.error

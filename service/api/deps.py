@@ -22,7 +22,6 @@ def get_services(request: Request) -> Services:
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-
 WAIT_POLL_SECONDS = 1.0  # how often a long-poll re-reads the database (other processes' results)
 
 

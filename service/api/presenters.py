@@ -59,9 +59,35 @@ def _token_fields(episode: Episode) -> dict[str, Any]:
     }
 
 
+def token_version_codes(
+    loss_mask: np.ndarray[Any, Any], turns: Sequence[dict[str, Any]]
+) -> tuple[np.ndarray[Any, np.dtype[np.int32]], list[str]]:
+    """The weight version of each response token, as codes into the returned versions (-1: not
+    sampled, or SGLang reported none). Sampled tokens (mask 1) are, in order, the outputs of the
+    generate calls `turns` records, each `output_tokens` long."""
+    versions: dict[str, int] = {}
+    call_codes = [
+        -1 if (version := turn.get("weight_version")) is None else versions.setdefault(version, len(versions))
+        for turn in turns
+    ]
+    per_token = np.repeat(
+        np.array(call_codes, np.int32), [int(turn.get("output_tokens") or 0) for turn in turns]
+    )
+    sampled = np.flatnonzero(loss_mask)
+    codes = np.full(len(loss_mask), -1, np.int32)
+    count = min(len(sampled), len(per_token))  # equal, unless the record is damaged
+    codes[sampled[:count]] = per_token[:count]
+    return codes, list(versions)
+
+
 def episode_detail(episode: Episode) -> EpisodeDetail:
     tokens = _token_fields(episode)
     turns = [TurnRecord(**turn) for turn in episode.turns or []]
+    token_versions = None
+    if tokens["loss_mask"] is not None:
+        codes, versions = token_version_codes(np.array(tokens["loss_mask"], np.uint8), episode.turns or [])
+        names: list[str | None] = [*versions, None]  # code -1 reads the last: None
+        token_versions = [names[code] for code in codes.tolist()]
     return EpisodeDetail(
         **_summary_fields(
             episode,
@@ -77,6 +103,7 @@ def episode_detail(episode: Episode) -> EpisodeDetail:
         messages=episode.messages,
         info=episode.info,
         finish_reasons=[turn.finish_reason for turn in turns],
+        token_weight_versions=token_versions,
         turns=turns,
         created_at=episode.created_at,
         started_at=episode.started_at,
@@ -214,6 +241,7 @@ ARROW_SCHEMA = pa.schema(
         ("loss_mask", pa.list_(pa.uint8())),
         ("rollout_logprobs", pa.list_(pa.float64())),
         ("weight_versions", pa.list_(pa.string())),
+        ("token_weight_versions", pa.list_(pa.dictionary(pa.int32(), pa.string()))),
         ("finish_reasons", pa.list_(pa.string())),
         ("error", pa.string()),
         ("messages_json", pa.string()),
@@ -226,6 +254,7 @@ ARROW_SCHEMA = pa.schema(
 # The stream is the schema's IPC message, a record batch message per chunk, and this end marker
 # (a continuation token and a zero length): Arrow's IPC streaming format.
 ARROW_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+ARROW_SCHEMA_MESSAGE = ARROW_SCHEMA.serialize().to_pybytes()
 SEND_BYTES = 1024 * 1024  # body pieces handed to the server: the socket drains one while the next waits
 PREFETCH_CHUNKS = 2  # record batches encoded or being encoded ahead of the one being sent
 
@@ -248,9 +277,28 @@ def _json_text(text: str | None) -> str:
     return "null" if text is None else text  # SQL NULL reads as the JSON of None, as json.dumps(None)
 
 
+def _token_versions_column(masks: Sequence[bytes | None], turns: Sequence[list[dict[str, Any]]]) -> pa.Array:
+    """token_weight_versions of some episodes: one dictionary (the versions they name) and a code
+    per response token, null where not sampled."""
+    versions: dict[str, int] = {}
+    chunks, lengths = [], []
+    for mask, records in zip(masks, turns, strict=True):
+        stored = _numbers(mask, blobs.MASK_DTYPE)
+        codes, names = token_version_codes(np.zeros(0, np.uint8) if stored is None else stored, records)
+        remap = np.array([versions.setdefault(name, len(versions)) for name in names] + [-1], np.int32)
+        chunks.append(remap[codes])  # code -1 reads the last entry: -1
+        lengths.append(len(codes))
+    codes = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
+    indices = pa.array(codes, pa.int32(), mask=codes < 0)
+    values = pa.DictionaryArray.from_arrays(indices, pa.array(list(versions), pa.string()))
+    return pa.ListArray.from_arrays(pa.array([0, *accumulate(lengths)], pa.int32()), values)
+
+
 def arrow_record_batch(columns: EpisodeColumns) -> pa.Buffer:
-    """Some episodes as one Arrow IPC record batch message (of ARROW_SCHEMA): the token arrays go
-    from the stored blobs into list columns with one copy, the JSON text goes as stored."""
+    """Some episodes as Arrow IPC messages of ARROW_SCHEMA: their dictionary batch and their record
+    batch (each chunk replaces the dictionary of token_weight_versions, as the stream format
+    allows). The token arrays go from the stored blobs into list columns with one copy, the JSON
+    text goes as stored."""
     turns = [(orjson.loads(text) if text is not None else None) or [] for text in columns.turns_json]
     arrays = [
         pa.array(columns.episode_id, pa.string()),
@@ -267,6 +315,7 @@ def arrow_record_batch(columns: EpisodeColumns) -> pa.Buffer:
         _list_column(columns.loss_mask, pa.uint8(), blobs.MASK_BYTES),
         _list_column(columns.rollout_logprobs, pa.float64(), blobs.LOGPROB_BYTES),
         pa.array([[turn.get("weight_version") for turn in rows] for rows in turns], pa.list_(pa.string())),
+        _token_versions_column(columns.loss_mask, turns),
         pa.array(
             [[(turn.get("finish_reason") or {}).get("type") for turn in rows] for rows in turns],
             pa.list_(pa.string()),
@@ -275,7 +324,12 @@ def arrow_record_batch(columns: EpisodeColumns) -> pa.Buffer:
         pa.array([_json_text(text) for text in columns.messages_json], pa.string()),
         pa.array([_json_text(text) for text in columns.info_json], pa.string()),
     ]
-    return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA).serialize()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, ARROW_SCHEMA) as writer:
+        writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA))
+    stream = sink.getvalue()  # the schema message, ours, then ours, then the end marker
+    head, tail = len(ARROW_SCHEMA_MESSAGE), len(ARROW_STREAM_END)
+    return stream.slice(head, stream.size - head - tail)
 
 
 class BatchStreamResponse(StreamingResponse):
@@ -360,7 +414,7 @@ def arrow_stream(rows: BatchRows) -> BatchStreamResponse:
         rows,
         rows.chunks(),
         arrow_record_batch,
-        head=ARROW_SCHEMA.serialize().to_pybytes(),
+        head=ARROW_SCHEMA_MESSAGE,
         tail=ARROW_STREAM_END,
         media_type=ARROW_STREAM_MEDIA_TYPE,
     )

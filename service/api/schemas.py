@@ -202,7 +202,13 @@ class EpisodeDetail(EpisodeWithTokens):
     messages: list[dict[str, Any]] | None
     info: dict[str, Any] | None
     finish_reasons: list[dict[str, Any]]
-    turns: list[TurnRecord]
+    token_weight_versions: list[str | None] | None = Field(
+        description="Per response token: the weight version of the generate call that sampled it; "
+        "null where not sampled (mask 0) or not reported."
+    )
+    turns: list[TurnRecord] = Field(
+        description="One per generate call: a turn's first, then its resumes after engine aborts."
+    )
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

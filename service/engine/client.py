@@ -33,6 +33,37 @@ CONTROL_TIMEOUT_SECONDS = 10.0
 # Aborts go to the workers the router listed at most this long ago: asking it before every abort
 # costs a request each, and an episode is rarely aborted right as the fleet changes.
 ABORT_WORKERS_TTL_SECONDS = 10.0
+ABORT_QUIET_SECONDS = 1.0  # see AbortQuiet
+ABORT_QUIET_GROWTH = 16  # the longest quiet window, in first windows
+
+
+class AbortQuiet:
+    """After the engine aborts requests of ours (a weight update's abort-all, pause_generation with
+    mode abort), no generate call goes to it for a quiet window: a trainer that aborts until the
+    workers report no load (slime's abort_servers_until_idle) sees them idle, and resumed turns do
+    not land in the middle of its update. A wave of aborts that follows soon after the last window
+    doubles it (up to `max_seconds`); one that comes later starts again from `seconds`."""
+
+    def __init__(self, seconds: float, max_seconds: float | None = None) -> None:
+        self.seconds = seconds
+        self.max_seconds = seconds * ABORT_QUIET_GROWTH if max_seconds is None else max_seconds
+        self._window = seconds
+        self._until = 0.0  # monotonic time the current window ends
+
+    def aborted(self) -> None:
+        now = time.monotonic()
+        if now < self._until:
+            return  # the same wave
+        if now - self._until < self._window * 2:
+            self._window = min(self._window * 2, self.max_seconds)
+        else:
+            self._window = self.seconds
+        self._until = now + self._window
+
+    async def wait(self) -> None:
+        # A deadline, not an event: a wave that comes meanwhile moves it.
+        while (delay := self._until - time.monotonic()) > 0:  # noqa: ASYNC110
+            await asyncio.sleep(delay)
 
 
 def make_control_client(timeout_seconds: float) -> httpx.AsyncClient:
@@ -84,6 +115,15 @@ class Generation:
     cached_tokens: int | None
     text: str  # SGLang's detokenized text, for reference only: the ids are the truth
     has_logprobs: bool = True  # False: SGLang sent none, `logprobs` are placeholders (0.0)
+
+    @property
+    def interrupted(self) -> bool:
+        """Aborted by the engine's operator (abort_request, a weight update, pause_generation),
+        not refused as a request (an abort with a 4xx status_code): worth resuming."""
+        if self.finish_type != "abort":
+            return False
+        status = self.finish_reason.get("status_code")
+        return not (isinstance(status, int) and 400 <= status < 500)
 
 
 @dataclass(frozen=True)
@@ -224,6 +264,7 @@ class SGLangClient:
         timeout_seconds: float,
         worker_urls: list[str] | None = None,
         transport: GenerateTransport | None = None,
+        abort_quiet: AbortQuiet | None = None,
     ) -> None:
         self._http = http
         self._transport = transport or HttpxTransport(http)
@@ -237,6 +278,7 @@ class SGLangClient:
         self._worker_urls = [url.rstrip("/") for url in worker_urls or []]
         self._abort_workers: tuple[float, list[str]] | None = None  # (when listed, urls)
         self._abort_workers_lock = asyncio.Lock()
+        self.abort_quiet = abort_quiet or AbortQuiet(ABORT_QUIET_SECONDS)
 
     @property
     def inflight(self) -> int:
@@ -261,9 +303,12 @@ class SGLangClient:
         attempt = 0
         attempt_rid = rid
         while True:
+            await self.abort_quiet.wait()
             body = generate_body(encoded_ids, encoded_params, attempt_rid)
             result = await self._post_generate(body)
             if isinstance(result, Generation):
+                if result.interrupted:
+                    self.abort_quiet.aborted()
                 return result
             if result.may_be_running:
                 await self.abort(attempt_rid)  # free the engine's slot before asking again

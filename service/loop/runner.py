@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from service.engine.client import EngineError, EngineRequestError, Generation
@@ -24,6 +25,7 @@ from service.records import (
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_TURN_RESUMES = 8  # engine aborts one turn survives (MAX_TURN_RESUMES)
 # SGLang's 400 when input + max_new_tokens exceeds the model: "... the model's context length ...",
 # "... the model's maximum context length of N tokens ...".
 CONTEXT_LENGTH_ERROR = "context length"
@@ -58,11 +60,20 @@ class EnvOpener(Protocol):
 
 
 class EpisodeRunner:
-    def __init__(self, engine: Engine, envs: EnvOpener, chat: ChatTokenizer, parser: ToolCallParser) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        envs: EnvOpener,
+        chat: ChatTokenizer,
+        parser: ToolCallParser,
+        *,
+        max_turn_resumes: int = DEFAULT_MAX_TURN_RESUMES,
+    ) -> None:
         self.engine = engine
         self.envs = envs
         self.chat = chat
         self.parser = parser
+        self.max_turn_resumes = max_turn_resumes
 
     async def run(self, spec: EpisodeSpec) -> EpisodeResult:
         try:
@@ -116,6 +127,45 @@ class EpisodeRunner:
         episode.note = f"turn limit {request.max_turns} reached"
         return episode.end(EpisodeStatus.TRUNCATED)
 
+    async def _generate(
+        self, episode: _Episode, turn: int, params: dict[str, Any]
+    ) -> tuple[Generation, list[int]]:
+        """The turn's generation, resumed after every engine abort (a weight update, a pause):
+        each call continues from prompt + everything sampled so far, with what is left of
+        max_new_tokens, so no sampled token is lost or sampled twice. Returns the last call's
+        generation and every id the turn sampled; that generation is an abort only if the engine
+        refused the request (an abort with a 4xx status: not resumed) or MAX_TURN_RESUMES ran out."""
+        trajectory, spec = episode.trajectory, episode.spec
+        max_new_tokens = params["max_new_tokens"]
+        sampled: list[int] = []
+        for resume in range(self.max_turn_resumes + 1):
+            started = time.perf_counter()
+            rid = spec.rid(turn) if resume == 0 else f"{spec.rid(turn)}.{resume}"
+            call_params = params | {"max_new_tokens": max_new_tokens - len(sampled)}
+            generation = await self.engine.generate(
+                trajectory.input_ids(), call_params, rid, input_ids_json=trajectory.input_ids_json()
+            )
+            episode.turns.append(
+                TurnRecord(
+                    turn=turn,
+                    weight_version=generation.weight_version,
+                    finish_reason=generation.finish_reason,
+                    output_tokens=len(generation.output_ids),
+                    engine_seconds=time.perf_counter() - started,
+                    has_logprobs=generation.has_logprobs,
+                    resume=resume,
+                )
+            )
+            trajectory.add_sampled(generation.output_ids, generation.logprobs)
+            sampled += generation.output_ids
+            if not generation.interrupted:
+                return generation, sampled
+            if len(sampled) >= max_new_tokens:  # aborted on its last allowed token: cut as by length
+                length = {"type": "length", "length": max_new_tokens}
+                return replace(generation, finish_type="length", finish_reason=length), sampled
+            logger.info("turn %s aborted by the engine after %d tokens; resuming", rid, len(sampled))
+        return generation, sampled  # still aborted: the resumes ran out
+
     async def _turn(self, episode: _Episode, session: EnvSession, turn: int) -> EpisodeStatus | None:
         """Plays one turn; returns the episode's final status if the turn ended it."""
         request, trajectory = episode.spec.request, episode.trajectory
@@ -129,30 +179,22 @@ class EpisodeRunner:
             max_new_tokens = min(max_new_tokens, remaining)
         params["max_new_tokens"] = max_new_tokens
 
-        started = time.perf_counter()
-        rid = episode.spec.rid(turn)
-        generation = await self.engine.generate(
-            trajectory.input_ids(), params, rid, input_ids_json=trajectory.input_ids_json()
-        )
-        record = TurnRecord(
-            turn=turn,
-            weight_version=generation.weight_version,
-            finish_reason=generation.finish_reason,
-            output_tokens=len(generation.output_ids),
-            engine_seconds=time.perf_counter() - started,
-            has_logprobs=generation.has_logprobs,
-        )
-        episode.turns.append(record)
-        trajectory.add_sampled(generation.output_ids, generation.logprobs)
-        content = self.chat.sampled_text(generation.output_ids)
+        generation, sampled_ids = await self._generate(episode, turn, params)
+        record = episode.turns[-1]
+        content = self.chat.sampled_text(sampled_ids)
         episode.messages.append({"role": "assistant", "content": content})
-        closing = self.chat.closing_ids(generation.output_ids)
+        closing = self.chat.closing_ids(sampled_ids)
         trajectory.add_context(closing)
 
         if generation.finish_type == "abort":
-            episode.note = (
-                f"engine aborted the request: {generation.finish_reason.get('message', '')}".strip()
-            )
+            message = generation.finish_reason.get("message", "")
+            if generation.interrupted:  # infrastructure: the engine kept aborting this turn
+                episode.note = (
+                    f"the engine aborted turn {turn} {record.resume + 1} times "
+                    f"(MAX_TURN_RESUMES={self.max_turn_resumes}): {message}"
+                )
+                return EpisodeStatus.FAILED
+            episode.note = f"engine refused the request: {message}".strip()
             return EpisodeStatus.ABORTED
         # SGLang checks the length limit first: a turn whose last allowed token ended it says
         # "length" yet is whole. Only a turn without its end-of-turn token is cut.

@@ -119,6 +119,7 @@ class SimTokens:
         if eos_id is None:
             raise ValueError(f"{tokenizer_path} has no {IM_END} token")
         self.eos_id: int = eos_id
+        self.assistant_header = self.encode(f"{IM_START}assistant\n")
         self._vocab = {token: token_id for token, token_id in vocab.items() if token_id not in added}
         self._pieces = {token_id: token for token, token_id in self._vocab.items()}
 
@@ -155,28 +156,50 @@ class PlannedOutput:
     finish_reason: dict[str, Any]
 
 
+def open_turn_start(tokens: SimTokens, prompt_ids: list[int]) -> int | None:
+    """Where the prompt's last assistant turn starts, if that turn is open and holds tokens: the
+    request resumes a turn an abort cut short (its input is the prompt plus what was sampled)."""
+    header = tokens.assistant_header
+    for start in range(len(prompt_ids) - len(header), -1, -1):
+        if prompt_ids[start : start + len(header)] == header:
+            begin = start + len(header)
+            if begin < len(prompt_ids) and tokens.eos_id not in prompt_ids[begin:]:
+                return begin
+            return None
+    return None
+
+
 def plan_output(
     tokens: SimTokens, config: SimConfig, prompt_ids: list[int], sampling_params: dict[str, Any], rid: str
 ) -> PlannedOutput:
-    """The full (not aborted) output of one request, deterministic in the rid's episode and the prompt."""
+    """The full (not aborted) output of one request, deterministic in the rid's episode and the
+    prompt. A request that resumes an open assistant turn continues that turn's plan after the
+    tokens it already holds, as a model continues its own prefix."""
     key = rid_attempt_key(rid)
-    text, ramble = policy_reply(tokens.decode(prompt_ids, skip_special_tokens=False), key, config)
+    start = open_turn_start(tokens, prompt_ids)
+    context = prompt_ids if start is None else prompt_ids[:start]
+    sampled = [] if start is None else prompt_ids[start:]
+    text, ramble = policy_reply(tokens.decode(context, skip_special_tokens=False), key, config)
     max_new_tokens = int(sampling_params.get("max_new_tokens", 128))
-    rng = random.Random(f"{config.seed}:{key}:{len(prompt_ids)}:sample")
+    rng = random.Random(f"{config.seed}:{key}:{len(context)}:sample")
     ids = tokens.sample(text, rng, config.noncanonical_rate)
-    while ramble and len(ids) <= max_new_tokens:
+    while ramble and len(ids) <= len(sampled) + max_new_tokens:
         ids += tokens.sample(RAMBLE_SENTENCE, rng, config.noncanonical_rate)
     ids.append(tokens.eos_id)
+    logprobs = [-3.0 * rng.random() for _ in ids]
+    if ids[: len(sampled)] == sampled:
+        ids, logprobs = ids[len(sampled) :], logprobs[len(sampled) :]
     stop_ids = {int(token) for token in sampling_params.get("stop_token_ids") or []}
     finish: dict[str, Any] = {"type": "stop", "matched": tokens.eos_id}
     for index, token in enumerate(ids):
         if token in stop_ids:
-            ids, finish = ids[: index + 1], {"type": "stop", "matched": token}
+            ids, logprobs = ids[: index + 1], logprobs[: index + 1]
+            finish = {"type": "stop", "matched": token}
             break
     # SGLang checks the length before the stop token: a stop token at the limit reads "length".
     if len(ids) >= max_new_tokens:
-        ids, finish = ids[:max_new_tokens], {"type": "length", "length": max_new_tokens}
+        ids, logprobs = ids[:max_new_tokens], logprobs[:max_new_tokens]
+        finish = {"type": "length", "length": max_new_tokens}
     elif not config.include_stop_token:
-        ids = ids[:-1]
-    logprobs = [-3.0 * rng.random() for _ in ids]
+        ids, logprobs = ids[:-1], logprobs[:-1]
     return PlannedOutput(ids, logprobs, finish)

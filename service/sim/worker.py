@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import Any
 
 import uvicorn
@@ -116,6 +117,20 @@ class SimWorker:
             running.abort_message = message
             running.aborted.set()
         return len(matched)
+
+    def update_weights(self, weight_version: str, *, abort_all: bool = True) -> int:
+        """A weight update as a trainer makes one: every request in flight is aborted (each answers
+        what it sampled so far, finish_reason abort) and later ones report the new version.
+        Returns how many were aborted."""
+        aborted = self.abort("", abort_all=True, message="Aborted by update_weights.") if abort_all else 0
+        self.weight_version = weight_version
+        self.flush_cache()
+        return aborted
+
+    @property
+    def waiting(self) -> int:
+        """Requests held by a pause (SGLang counts them as waiting)."""
+        return self.running if self._paused else 0
 
     def pause(self, mode: str) -> None:
         self._paused = True
@@ -357,6 +372,28 @@ def create_sim_app(config: SimConfig | None = None, *, worker: SimWorker | None 
     async def load(request: Request) -> Response:
         return JSONResponse([{"dp_rank": 0, "num_reqs": sim.running, "num_waiting_reqs": 0, "num_tokens": 0}])
 
+    async def loads(request: Request) -> Response:
+        """GET /v1/loads as SGLang answers it (entrypoints/v1_loads.py), one DP rank: what slime's
+        abort_servers_until_idle polls until no request is left."""
+        waiting = sim.waiting
+        load = {
+            "dp_rank": 0,
+            "num_running_reqs": sim.running - waiting,
+            "num_waiting_reqs": waiting,
+            "num_used_tokens": 0,
+            "max_total_num_tokens": sim.config.context_length,
+            "token_usage": 0.0,
+        }
+        return JSONResponse(
+            {
+                "timestamp": datetime.now(UTC).isoformat(),
+                "version": "sim",
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": [load],
+            }
+        )
+
     async def weight_version(request: Request) -> Response:
         return JSONResponse({"weight_version": sim.weight_version})
 
@@ -397,12 +434,12 @@ def create_sim_app(config: SimConfig | None = None, *, worker: SimWorker | None 
             return _error(error.status_code, error.message)
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
             return _error(400, "model_path is required.")
-        if body.get("abort_all_requests"):
-            sim.abort("", abort_all=True, message="Aborted by update_weights_from_disk.")
         sim.model_path = body["model_path"]
-        if body.get("weight_version") is not None:
-            sim.weight_version = str(body["weight_version"])
-        sim.flush_cache()
+        version = body.get("weight_version")
+        sim.update_weights(
+            sim.weight_version if version is None else str(version),
+            abort_all=bool(body.get("abort_all_requests")),
+        )
         return JSONResponse(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
@@ -432,6 +469,7 @@ def create_sim_app(config: SimConfig | None = None, *, worker: SimWorker | None 
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
         Route("/get_load", load, methods=["GET"]),
+        Route("/v1/loads", loads, methods=["GET"]),
         Route("/get_weight_version", weight_version, methods=["GET"]),
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/pause_generation", pause_generation, methods=["POST"]),

@@ -67,7 +67,7 @@ def _result_columns(result: EpisodeResult) -> dict[str, Any]:
         "info": result.info,
         "turns": [turn.to_json() for turn in result.turns],
         "error": result.error,
-        "num_turns": len(result.turns),
+        "num_turns": result.num_turns,
     }
 
 

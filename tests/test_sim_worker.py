@@ -438,3 +438,31 @@ async def test_streaming_frames(sim: tuple[SimWorker, httpx.AsyncClient]) -> Non
     assert all(chunk["meta_info"]["finish_reason"] is None for chunk in chunks[:-1])
     assert chunks[-1]["output_ids"] == plain["output_ids"]
     assert chunks[-1]["text"] == plain["text"]
+
+
+async def test_a_weight_update_aborts_in_flight_and_a_resumed_request_continues_the_turn() -> None:
+    """As SGLang under a trainer: the update aborts each request with what it sampled so far; the
+    same turn asked again from prompt + those tokens continues it exactly (ids and logprobs), and
+    reports the new weight version."""
+    worker = SimWorker(SimConfig(**{**NO_MISTAKES.__dict__, "per_token_latency_seconds": 0.01}))
+    async with sim_client(worker) as http:
+        ids = prompt_ids(first_messages())
+        whole = (await generate(http, body_for(ids, "cut:0:9")))["meta_info"]["output_token_logprobs"]
+        pending = asyncio.create_task(http.post("/generate", json=body_for(ids, "cut:0:0")))
+        await until(lambda: worker.running == 1)
+        await asyncio.sleep(0.1)
+        loads = (await http.get("/v1/loads", params={"include": "core"})).json()
+        assert loads["loads"][0]["num_running_reqs"] + loads["loads"][0]["num_waiting_reqs"] == 1
+        assert worker.update_weights("2") == 1
+        first = (await pending).json()
+        assert first["meta_info"]["finish_reason"]["type"] == "abort"
+        assert first["meta_info"]["weight_version"] == "default"  # sampled by the old weights
+        partial = first["meta_info"]["output_token_logprobs"]
+        assert 0 < len(partial) < len(whole)
+        body = body_for(ids + [pair[1] for pair in partial], "cut:0:0.1", max_new_tokens=256 - len(partial))
+        rest = (await generate(http, body))["meta_info"]
+        assert rest["weight_version"] == "2"
+        assert [pair[:2] for pair in partial + rest["output_token_logprobs"]] == [pair[:2] for pair in whole]
+        idle = (await http.get("/v1/loads")).json()
+        assert idle["loads"][0]["num_running_reqs"] == idle["loads"][0]["num_waiting_reqs"] == 0
+        assert {"timestamp", "version", "loads"} <= idle.keys()

@@ -224,6 +224,7 @@ class SimWorker:
     async def run(self, request: SimRequest, running: _Running) -> tuple[PlannedOutput, dict[str, Any]]:
         """Plays one request to its end (or its abort): the output and the meta_info."""
         start = time.monotonic()
+        weight_version = self.weight_version  # the weights that sample it: an update aborts it first
         meta: dict[str, Any] = {"id": request.rid}
         try:
             queued = not await self._wait_resumed(running)
@@ -257,7 +258,7 @@ class SimWorker:
             "finish_reason": output.finish_reason,
             "completion_tokens": len(output.ids),
             "e2e_latency": time.monotonic() - start,
-            "weight_version": self.weight_version,
+            "weight_version": weight_version,
         }
         meta.setdefault("cached_tokens", 0)
         return output, meta

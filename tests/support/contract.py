@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from service.sim.worker import SimWorker
+from service.sim.worker import SimRequest, SimWorker
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,17 @@ def assert_trainer_contract(
             assert mask[position] == 0 and logprobs[position] == 0.0, position
 
 
+def _call_order(request: SimRequest) -> tuple[int, int]:
+    """(turn, resume) of a rid "<episode>:<attempt>:<turn>[.<resume>]"."""
+    turn, _, resume = request.rid.rsplit(":", 1)[1].partition(".")
+    return int(turn), int(resume or 0)
+
+
 def sim_calls(sim: SimWorker, episode_id: str, attempt: int) -> list[GenerateCall]:
     """The generate calls the simulated worker answered for one attempt of one episode, in order."""
     prefix = f"{episode_id}:{attempt}:"
     calls = []
-    for request in sorted(
-        (r for r in sim.requests if r.rid.startswith(prefix)), key=lambda r: int(r.rid.rsplit(":", 1)[1])
-    ):
+    for request in sorted((r for r in sim.requests if r.rid.startswith(prefix)), key=_call_order):
         assert request.response_body is not None
         meta = json.loads(request.response_body)["meta_info"]
         pairs = meta["output_token_logprobs"]
@@ -52,10 +56,11 @@ def sim_calls(sim: SimWorker, episode_id: str, attempt: int) -> list[GenerateCal
 
 
 def assert_stored_episode_matches_sim(sim: SimWorker, episode: dict[str, Any]) -> None:
-    """An episode as GET /episodes/{id} answers it: its stored attempt's calls, one per turn, and
-    the trainer contract over them."""
+    """An episode as GET /episodes/{id} answers it: its stored attempt's calls (one per turn, and
+    one per resume of a turn the engine aborted), and the trainer contract over them."""
     calls = sim_calls(sim, episode["id"], episode["attempt"])
-    assert len(calls) == episode["num_turns"] == len(episode["weight_versions"]) > 0
+    assert len(calls) == len(episode["turns"]) == len(episode["weight_versions"]) > 0
+    assert episode["num_turns"] == sum(1 for turn in episode["turns"] if turn["resume"] == 0)
     assert_trainer_contract(
         episode["prompt_ids"],
         episode["response_ids"],

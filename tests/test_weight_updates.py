@@ -1,0 +1,86 @@
+"""Weight updates lose no work, on SQLite and PostgreSQL: while a batch runs, a trainer aborts every
+request on the engine until it is idle, as slime does at the end of each rollout step, and loads new
+weights. The turns the aborts cut resume from what they sampled: no episode ends aborted or failed
+because of it, no token is sampled twice, and each token records the weights that sampled it."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.app import create_app
+from service.serving import serve_app
+from service.sim.policy import SimConfig
+from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
+from tests.conftest import service_settings
+from tests.support.contract import assert_stored_episode_matches_sim, sim_calls
+from tests.support.service_process import submission
+
+sys.path.insert(0, str(Path(__file__).parent / "slime_standin"))
+
+from slime.backends.sglang_utils.server_control import abort_servers_until_idle
+
+UPDATES = 3
+# Requests long enough to be cut mid-turn, and no mistakes of the policy's own: any abort is ours.
+SIM = SimConfig(latency_seconds=0.05, per_token_latency_seconds=0.004, malformed_call_rate=0.0)
+
+
+@pytest.fixture
+async def running(database_url: str) -> AsyncIterator[tuple[SimWorker, str, httpx.AsyncClient]]:
+    sim = SimWorker(SIM)
+    with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+        app = create_app(service_settings(database_url, sim_url, engine_abort_quiet_seconds=0.5))
+        async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+            yield sim, sim_url, http
+
+
+async def test_slime_abort_until_idle_and_weight_updates_lose_no_work(
+    running: tuple[SimWorker, str, httpx.AsyncClient],
+) -> None:
+    sim, sim_url, http = running
+    accepted = await http.post("/episodes", json=submission("w", 6, 2, max_turns=20))
+    assert accepted.status_code == 202, accepted.text
+    rounds = []
+    for version in range(1, UPDATES + 1):
+        await asyncio.sleep(0.6)
+        rounds += await asyncio.wait_for(abort_servers_until_idle([sim_url], retry_interval=0.5), 20)
+        sim.update_weights(str(version), abort_all=False)
+    assert all(count <= 3 for count in rounds), rounds  # the service went quiet: slime saw it idle
+
+    batch = (await http.get("/batches/w", params={"wait": 120})).json()
+    assert batch["complete"], batch["counts"]
+    assert batch["counts"]["aborted"] == batch["counts"]["failed"] == 0, batch["counts"]
+    resumed = 0
+    for summary in batch["episodes"]:
+        episode: dict[str, Any] = (await http.get(f"/episodes/{summary['id']}")).json()
+        assert_stored_episode_matches_sim(sim, episode)
+        calls = sim_calls(sim, episode["id"], episode["attempt"])
+        # Nothing sampled twice: the engine's outputs are the stored sampled tokens, once each.
+        assert sum(len(call.output_ids) for call in calls) == sum(episode["loss_mask"])
+        resumed += sum(1 for turn in episode["turns"] if turn["resume"] > 0)
+        # Each sampled token carries the version of the call that sampled it.
+        expected = [turn["weight_version"] for turn in episode["turns"] for _ in range(turn["output_tokens"])]
+        sampled = [
+            v for v, m in zip(episode["token_weight_versions"], episode["loss_mask"], strict=True) if m
+        ]
+        assert sampled == expected
+        assert all(
+            v is None
+            for v, m in zip(episode["token_weight_versions"], episode["loss_mask"], strict=True)
+            if not m
+        )
+    assert resumed > 0  # the updates did cut turns
+    versions = {
+        turn["weight_version"]
+        for summary in batch["episodes"]
+        for turn in (await http.get(f"/episodes/{summary['id']}")).json()["turns"]
+    }
+    assert len(versions) > 1
+    metrics = (await http.get("/metrics")).text
+    assert "rollout_turn_resumes_total" in metrics

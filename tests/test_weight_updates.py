@@ -84,3 +84,25 @@ async def test_slime_abort_until_idle_and_weight_updates_lose_no_work(
     assert len(versions) > 1
     metrics = (await http.get("/metrics")).text
     assert "rollout_turn_resumes_total" in metrics
+
+
+async def test_a_pause_with_mode_abort_resumes_its_turns_after_continue(
+    running: tuple[SimWorker, str, httpx.AsyncClient],
+) -> None:
+    sim, _, http = running
+    accepted = await http.post("/episodes", json=submission("p", 4, 2, max_turns=20))
+    assert accepted.status_code == 202, accepted.text
+    await asyncio.sleep(0.5)
+    assert (await http.post("/engine/pause", json={"mode": "abort"})).status_code == 200
+    await asyncio.sleep(1.0)  # resumed turns wait in the paused engine
+    assert sim.running > 0 and sim.waiting == sim.running
+    assert (await http.post("/engine/continue")).status_code == 200
+    batch = (await http.get("/batches/p", params={"wait": 120})).json()
+    assert batch["complete"] and batch["counts"]["aborted"] == batch["counts"]["failed"] == 0, batch["counts"]
+    turns = [
+        turn
+        for summary in batch["episodes"]
+        for turn in (await http.get(f"/episodes/{summary['id']}")).json()["turns"]
+    ]
+    assert any(turn["resume"] > 0 for turn in turns)
+    assert any(turn["finish_reason"].get("message") == "Aborted by pause_generation." for turn in turns)

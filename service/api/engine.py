@@ -22,8 +22,8 @@ class PauseRequest(BaseModel):
 
     mode: Literal["abort", "retract", "in_place"] = Field(
         default="retract",
-        description="SGLang's pause mode. 'abort' ends in-flight requests: their episodes end aborted. "
-        "'retract' and 'in_place' keep them waiting until continue.",
+        description="SGLang's pause mode. 'abort' aborts in-flight requests: their turns resume after "
+        "/engine/continue from what they sampled. 'retract' and 'in_place' keep them waiting until continue.",
     )
 
 

@@ -54,6 +54,7 @@ async def assert_batch_is_what_was_stored(http: httpx.AsyncClient, batch: Any) -
             stored["status"], stored["reward"], stored["num_turns"],
         )  # fmt: skip
         assert episode.weight_versions == stored["weight_versions"]
+        assert episode.token_weight_versions == stored["token_weight_versions"]
         assert episode.messages == stored["messages"] and episode.info == stored["info"]
     groups = batch.groups()
     assert sorted(groups) == list(range(TASKS))

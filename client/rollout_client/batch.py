@@ -41,6 +41,15 @@ class EpisodeArrays:
     error: str | None
     messages_json: str = field(repr=False)
     info_json: str = field(repr=False)
+    token_versions: pa.ListScalar | None = field(default=None, repr=False)
+
+    @cached_property
+    def token_weight_versions(self) -> list[str | None]:
+        """Per response token, the weight version that sampled it (None: not sampled)."""
+        if self.token_versions is None or not self.token_versions.is_valid:
+            return [None] * len(self.response_ids)
+        versions: list[str | None] = self.token_versions.as_py()
+        return versions
 
     @cached_property
     def messages(self) -> list[dict[str, Any]] | None:
@@ -88,6 +97,12 @@ class Batch:
         self._finish_reasons: list[list[str | None] | None] = table.column("finish_reasons").to_pylist()
         self._messages: list[str] = table.column("messages_json").to_pylist()
         self._info: list[str] = table.column("info_json").to_pylist()
+        names = set(table.column_names)
+        self._token_versions = (
+            table.column("token_weight_versions").combine_chunks()
+            if "token_weight_versions" in names
+            else None
+        )
         self._tokens = {name: _Flat(table.column(name)) for name in TOKEN_COLUMNS}
 
     def _numbers(self, name: str) -> npt.NDArray[Any]:
@@ -120,6 +135,7 @@ class Batch:
             error=self.error[index],
             messages_json=self._messages[index],
             info_json=self._info[index],
+            token_versions=None if self._token_versions is None else self._token_versions[index],
             **tokens,
         )
 

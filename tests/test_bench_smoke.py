@@ -122,3 +122,14 @@ def test_outage_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["episodes"] == 8 and sum(result["statuses"].values()) == 8
     assert (result["rerun"], result["failures"]) == (0, 0)
     assert result["answers_during_outage"]
+
+
+def test_weight_update_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("weight_update")
+    bench.main(["--episodes", "16", "--updates", "2", "--interval", "1", "--latency", "0.1"])
+    result = last_json_line(capsys.readouterr().out)
+    resumed, not_resumed = result["resumed"], result["not_resumed"]
+    assert resumed["complete"] and sum(resumed["counts"].values()) == 16
+    assert (resumed["episodes_lost"], resumed["tokens_sampled_twice"]) == (0, 0)
+    assert resumed["resumed_calls"] > 0 and not_resumed["episodes_lost"] > 0  # the updates did cut turns
+    assert len(resumed["abort_loops"]) == 2

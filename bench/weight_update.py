@@ -1,0 +1,160 @@
+"""Weight updates during a batch, as slime makes them: how much work they cost.
+
+N episodes run through the service (in this process) against the simulated SGLang worker (its own
+thread), whose requests decode token by token so that an abort cuts them mid-turn. K times, a
+trainer's weight sync runs as slime's does at the end of a rollout step: `abort_servers_until_idle`
+(POST /abort_request {"abort_all": true}, then GET /v1/loads, again every 3 s while requests
+remain), then new weights (a new weight version). The same batch runs twice: with resumed turns
+(MAX_TURN_RESUMES=8, the default) and without (MAX_TURN_RESUMES=0: an abort ends the episode, as
+before resumes existed). Measured: episodes lost (ended aborted or failed; the simulated policy
+makes no mistakes here, so every one is the updates'), tokens sampled twice (sampled by the engine
+but not in the stored episode: re-runs and lost turns), whole-episode re-runs, the abort loops'
+rounds and seconds, and the time from the last update to the batch complete.
+
+Run from the repo root:
+    .venv/bin/python bench/weight_update.py [--episodes 512] [--updates 3] [--database sqlite]
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "slime_standin"))
+
+import httpx  # noqa: E402
+from slime.backends.sglang_utils.server_control import abort_servers_until_idle  # noqa: E402
+from sqlalchemy import select  # noqa: E402
+
+from bench.common import fresh_database, run_loop  # noqa: E402
+from service.app import create_app  # noqa: E402
+from service.config import Settings  # noqa: E402
+from service.serving import serve_app  # noqa: E402
+from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread  # noqa: E402
+from service.storage.db import Database  # noqa: E402
+from service.storage.models import Episode  # noqa: E402
+
+SAMPLES = 8  # per task: a GRPO group
+SLIME_ABORT_RETRY_SECONDS = 3.0
+GOAL = "0 episodes lost and 0 tokens sampled twice across the weight updates"
+
+
+def sampled_by_engine(sim: SimWorker) -> dict[str, int]:
+    """Output tokens the engine returned, per episode id."""
+    counts: dict[str, int] = {}
+    for request in sim.requests:
+        if request.response_body is not None:
+            tokens = json.loads(request.response_body)["meta_info"]["completion_tokens"]
+            episode_id = request.rid.split(":")[0]
+            counts[episode_id] = counts.get(episode_id, 0) + tokens
+    return counts
+
+
+async def run_batch(
+    database_url: str, episodes: int, updates: int, interval: float, latency: float, resumes: int
+) -> dict[str, Any]:
+    sim = SimWorker(
+        SimConfig(latency_seconds=latency, per_token_latency_seconds=0.004, malformed_call_rate=0.0)
+    )
+    with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+        settings = Settings(
+            database_url=database_url,
+            sglang_url=sim_url,
+            api_keys="",
+            max_turn_resumes=resumes,
+            log_level="WARNING",
+        )  # type: ignore[call-arg]
+        async with (
+            serve_app(create_app(settings)) as url,
+            httpx.AsyncClient(base_url=url, timeout=600) as http,
+        ):
+            body = {
+                "batch_id": "weights",
+                "env": "builtin/shop",
+                "task_split": "train",
+                "task_indices": list(range(episodes // SAMPLES)),
+                "samples_per_task": SAMPLES,
+                "sampling_params": {"temperature": 1.0, "max_new_tokens": 256},
+                "max_turns": 30,
+            }
+            assert (await http.post("/episodes", json=body)).status_code == 202
+            loops = []
+            for version in range(1, updates + 1):
+                await asyncio.sleep(interval)
+                started = time.monotonic()
+                rounds = await abort_servers_until_idle([sim_url], SLIME_ABORT_RETRY_SECONDS)
+                loops.append({"rounds": rounds[0], "seconds": round(time.monotonic() - started, 2)})
+                sim.update_weights(str(version), abort_all=False)
+            last_update = time.monotonic()
+            batch = (await http.get("/batches/weights", params={"wait": 1800})).json()
+            tail = time.monotonic() - last_update
+    database = Database.open(database_url)
+    try:
+        async with database.sessionmaker() as session:
+            stored = list(await session.scalars(select(Episode).where(Episode.batch_id == "weights")))
+    finally:
+        await database.dispose()
+    engine_tokens = sampled_by_engine(sim)
+    kept = {episode.id: sum(episode.tokens().loss_mask) if episode.tokens() else 0 for episode in stored}
+    resumed_calls = sum(
+        sum(1 for turn in episode.turns or [] if turn.get("resume", 0) > 0) for episode in stored
+    )
+    return {
+        "complete": batch["complete"],
+        "counts": {status: count for status, count in batch["counts"].items() if count},
+        "episodes_lost": batch["counts"]["aborted"] + batch["counts"]["failed"],
+        "tokens_sampled_twice": sum(engine_tokens.values()) - sum(kept.values()),
+        "tokens_sampled": sum(engine_tokens.values()),
+        "tokens_in_lost_episodes": sum(
+            kept[episode.id] for episode in stored if episode.status in ("aborted", "failed")
+        ),
+        "whole_episode_reruns": sum(1 for episode in stored if episode.attempt > 0),
+        "resumed_calls": resumed_calls,
+        "abort_loops": loops,
+        "seconds_from_last_update_to_complete": round(tail, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--episodes", type=int, default=512)
+    parser.add_argument("--updates", type=int, default=3)
+    parser.add_argument("--interval", type=float, default=4.0, help="seconds between weight updates")
+    parser.add_argument("--latency", type=float, default=0.2, help="the simulated engine's seconds per call")
+    parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
+    args = parser.parse_args(argv)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, resumes in (("resumed", 8), ("not_resumed", 0)):
+            with fresh_database(args.database, Path(tmp), migrate=True) as url:
+                runs[name] = run_loop(
+                    run_batch(url, args.episodes, args.updates, args.interval, args.latency, resumes)
+                )
+                print(name, json.dumps(runs[name]), flush=True)
+    result = {
+        "bench": "weight_update",
+        "database": args.database,
+        "episodes": args.episodes,
+        "updates": args.updates,
+        "goal": GOAL,
+        **runs,
+        "episodes_lost_without_resumes": runs["not_resumed"]["episodes_lost"],
+        "episodes_lost_with_resumes": runs["resumed"]["episodes_lost"],
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -32,6 +32,18 @@ FINISHED_STATUSES = frozenset(status for status in EpisodeStatus if status.finis
 # call of one attempt, and its closing colon keeps attempt 1 from matching attempt 10.
 
 
+def version_number(weight_version: str | None) -> int | None:
+    """A weight version as a number, for staleness: an integer string ("3") is itself, SGLang's
+    "default" (the weights it started with, before any update) is 0, anything else (None, "step-7")
+    has no number and is never counted stale nor newer."""
+    if weight_version == "default":
+        return 0
+    try:
+        return int(weight_version) if weight_version is not None else None
+    except ValueError:
+        return None
+
+
 def generate_rid(episode_id: str, attempt: int, turn: int) -> str:
     return f"{episode_id}:{attempt}:{turn}"
 
@@ -56,6 +68,7 @@ class EpisodeRequest:
     sampling_params: dict[str, Any]  # SGLang's sampling_params of every turn
     max_turns: int
     max_response_tokens: int | None = None
+    max_staleness: int | None = None  # weight versions an episode's oldest token may lag the newest
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,9 @@ class EpisodeResult:
     # An infrastructure failure (engine unreachable, env worker crashed) that another attempt
     # may not meet: the worker re-queues the episode while it has attempts left.
     retryable: bool = False
+    # Its oldest tokens fell more than max_staleness weight versions behind: the worker re-runs it
+    # from scratch as a new attempt, which is no failure.
+    stale: bool = False
 
     @property
     def num_turns(self) -> int:

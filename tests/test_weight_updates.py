@@ -15,12 +15,14 @@ import httpx
 import pytest
 
 from service.app import create_app
+from service.records import version_number
 from service.serving import serve_app
 from service.sim.policy import SimConfig
 from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
+from service.storage.db import Database
 from tests.conftest import service_settings
 from tests.support.contract import assert_stored_episode_matches_sim, sim_calls
-from tests.support.service_process import submission
+from tests.support.service_process import episodes_of, submission
 
 sys.path.insert(0, str(Path(__file__).parent / "slime_standin"))
 
@@ -106,3 +108,35 @@ async def test_a_pause_with_mode_abort_resumes_its_turns_after_continue(
     ]
     assert any(turn["resume"] > 0 for turn in turns)
     assert any(turn["finish_reason"].get("message") == "Aborted by pause_generation." for turn in turns)
+
+
+async def test_max_staleness_reruns_episodes_whose_tokens_fall_too_far_behind(
+    running: tuple[SimWorker, str, httpx.AsyncClient], db: Database
+) -> None:
+    """With max_staleness 0 every stored episode was sampled by one weight version: those an update
+    overtook ran again from scratch, as new attempts that are not failures."""
+    sim, _, http = running
+    accepted = await http.post("/episodes", json=submission("s", 4, 2, max_turns=20, max_staleness=0))
+    assert accepted.status_code == 202, accepted.text
+    for version in (1, 2):
+        await asyncio.sleep(0.4)
+        sim.update_weights(str(version), abort_all=False)
+    batch = (await http.get("/batches/s", params={"wait": 120})).json()
+    assert batch["complete"] and batch["counts"]["completed"] + batch["counts"]["truncated"] == 8, batch
+    stored = await episodes_of(db, "s")
+    assert any(episode.attempt > 0 for episode in stored)  # some were overtaken and re-ran
+    assert all(episode.failures == 0 for episode in stored)
+    for episode in stored:
+        versions = {turn["weight_version"] for turn in episode.turns or []}
+        assert len(versions) == 1, versions
+
+
+def test_weight_versions_as_numbers() -> None:
+    assert [version_number(v) for v in ("default", "0", "7", "step-7", None, "1.5")] == [
+        0,
+        0,
+        7,
+        None,
+        None,
+        None,
+    ]

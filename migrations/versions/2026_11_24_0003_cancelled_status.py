@@ -25,7 +25,9 @@ def _status_check(statuses: Sequence[str]) -> None:
     """Replaces the check on episodes.status (SQLite: by copying the table, as batch mode does)."""
     with op.batch_alter_table("episodes") as batch:
         batch.drop_constraint(op.f("ck_episodes_status"), type_="check")
-        batch.create_check_constraint("status", "status IN ({})".format(", ".join(f"'{s}'" for s in statuses)))
+        batch.create_check_constraint(
+            "status", "status IN ({})".format(", ".join(f"'{s}'" for s in statuses))
+        )
 
 
 def upgrade() -> None:

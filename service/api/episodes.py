@@ -91,6 +91,7 @@ def new_batch(body: SubmitEpisodes) -> NewBatch:
                     sampling_params=sampling_params,
                     max_turns=body.max_turns,
                     max_response_tokens=body.max_response_tokens,
+                    max_staleness=body.max_staleness,
                 ),
             )
             for group, task_index in enumerate(body.task_indices)

@@ -154,6 +154,12 @@ class SubmitEpisodes(BaseModel):
         default=None,
         description="Budget of response tokens (sampled and context) per episode.",
     )
+    max_staleness: Annotated[int, Field(ge=0, le=INT32_MAX), JSON_INTEGER] | None = Field(
+        default=None,
+        description="Weight versions an episode's oldest sampled token may lag the newest version the "
+        "service has seen; past it the episode re-runs from scratch (a new attempt, not a failure). "
+        "Versions are integers; SGLang's 'default' counts 0; other names are never stale.",
+    )
     metadata: Annotated[dict[str, Any], AfterValidator(storable_json)] = Field(
         default_factory=dict,
         description="Echoed back with the batch: JSON of finite numbers and Unicode text, nested at most "

@@ -21,6 +21,7 @@ from service.records import (
     EpisodeStatus,
     TurnRecord,
     attempt_rid_prefix,
+    version_number,
 )
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class EpisodeRunner:
         self.chat = chat
         self.parser = parser
         self.max_turn_resumes = max_turn_resumes
+        # The newest weight version (as a number) any episode of this process was sampled from.
+        self.newest_version: int | None = None
 
     async def run(self, spec: EpisodeSpec) -> EpisodeResult:
         try:
@@ -122,10 +125,24 @@ class EpisodeRunner:
         episode.phase = "step"
         for turn in range(request.max_turns):
             status = await self._turn(episode, session, turn)
+            if (stale := self._staleness(episode)) is not None:  # checked up to the last turn's end
+                return episode.end(EpisodeStatus.FAILED, stale, stale=True)
             if status is not None:
                 return episode.end(status)
         episode.note = f"turn limit {request.max_turns} reached"
         return episode.end(EpisodeStatus.TRUNCATED)
+
+    def _staleness(self, episode: _Episode) -> str | None:
+        """Why the episode's oldest sampled token lags the newest weights seen by more than its
+        max_staleness; None if it does not (or has no bound, or no versions are numbers)."""
+        bound, newest = episode.spec.request.max_staleness, self.newest_version
+        numbers = [n for turn in episode.turns if (n := version_number(turn.weight_version)) is not None]
+        if bound is None or newest is None or not numbers or newest - min(numbers) <= bound:
+            return None
+        return (
+            f"stale: sampled from weight version {min(numbers)}, {newest - min(numbers)} behind the "
+            f"newest ({newest}); max_staleness is {bound}"
+        )
 
     async def _generate(
         self, episode: _Episode, turn: int, params: dict[str, Any]
@@ -158,6 +175,9 @@ class EpisodeRunner:
             )
             trajectory.add_sampled(generation.output_ids, generation.logprobs)
             sampled += generation.output_ids
+            number = version_number(generation.weight_version)
+            if number is not None and (self.newest_version is None or number > self.newest_version):
+                self.newest_version = number
             if not generation.interrupted:
                 return generation, sampled
             if len(sampled) >= max_new_tokens:  # aborted on its last allowed token: cut as by length
@@ -237,7 +257,7 @@ class _Episode:
         self.note: str | None = None  # why a non-completed episode ended
 
     def end(
-        self, status: EpisodeStatus, error: str | None = None, *, retryable: bool = False
+        self, status: EpisodeStatus, error: str | None = None, *, retryable: bool = False, stale: bool = False
     ) -> EpisodeResult:
         message = error if error is not None else self.note
         if status is EpisodeStatus.FAILED:
@@ -260,4 +280,5 @@ class _Episode:
             turns=self.turns,
             error=message,
             retryable=retryable,
+            stale=stale,
         )

@@ -118,6 +118,7 @@ class Episode(Base):
     sampling_params: Mapped[dict[str, Any]] = mapped_column(JSON)
     max_turns: Mapped[int] = mapped_column(Integer)
     max_response_tokens: Mapped[int | None] = mapped_column(Integer)
+    max_staleness: Mapped[int | None] = mapped_column(Integer)
 
     status: Mapped[str] = mapped_column(String(16))
     # Fencing token: +1 on every re-queue, so a worker that lost its lease cannot finish the row.

@@ -35,6 +35,9 @@ STORE_BACKOFF_SECONDS = 0.2  # first delay between tries of a result write; doub
 STORE_BACKOFF_MAX_SECONDS = 2.0  # up to this: a result is held until the database takes it
 WRITES_DRAIN_SECONDS = 15.0  # on shutdown, how long result writes already under way may take
 CANCEL_WAIT_SECONDS = 5.0  # on shutdown, how long cancelled episodes may take to unwind
+# Attempts an episode gets, re-runs of stale ones included: past them a stale episode is stored
+# failed (its error says why), so that a bound no episode can meet does not loop forever.
+STALE_ATTEMPTS = 16
 CANCELLED_POLL_SECONDS = 0.5  # how often the batches of running episodes are checked for a cancel
 # What a busy or briefly unreachable database raises; anything else is a bug and is not swallowed.
 DATABASE_ERRORS = (DBAPIError, SQLAlchemyTimeoutError, OSError)
@@ -185,15 +188,17 @@ class EpisodeWorker:
                 del self.running[claim.id]
 
     async def _write(self, claim: ClaimedEpisode, result: EpisodeResult) -> bool:
-        """Stores the result, or re-queues a retryable failure that has attempts left."""
-        if result.retryable and claim.failures + 1 < self.settings.max_attempts:
+        """Stores the result, or re-queues a retryable failure that has attempts left, or a stale
+        episode (past its max_staleness) for a fresh attempt, which is no failure."""
+        stale = result.stale and claim.attempt + 1 < STALE_ATTEMPTS
+        if stale or (result.retryable and claim.failures + 1 < self.settings.max_attempts):
             logger.warning(
                 "episode %s attempt %d: %s; queued to run again", claim.id, claim.attempt, result.error
             )
             released = await self._with_retries(
                 claim,
                 lambda: queue.release_episodes(
-                    self.writes, self.worker_id, [claim.id], failed=True, attempt=claim.attempt
+                    self.writes, self.worker_id, [claim.id], failed=not stale, attempt=claim.attempt
                 ),
             )
             return released > 0

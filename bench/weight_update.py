@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--episodes", type=int, default=512)
     parser.add_argument("--updates", type=int, default=3)
-    parser.add_argument("--interval", type=float, default=4.0, help="seconds between weight updates")
-    parser.add_argument("--latency", type=float, default=0.2, help="the simulated engine's seconds per call")
+    parser.add_argument("--interval", type=float, default=1.5, help="seconds between weight updates")
+    parser.add_argument("--latency", type=float, default=0.4, help="the simulated engine's seconds per call")
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     args = parser.parse_args(argv)
     runs = {}

@@ -297,3 +297,21 @@ def test_group_summaries_keep_the_recently_polled_batches_within_their_bound() -
     assert summaries.of("a")  # a is now the most recently polled
     summaries.add("c", {0: b"z" * 30})
     assert summaries.of("b") == {} and summaries.of("a") and summaries.of("c")
+
+
+def test_token_versions_column_and_a_damaged_record() -> None:
+    """Each sampled token gets its call's version, context tokens null; a record whose counts do
+    not match its mask spoils only its own episode's column."""
+    from service.api.presenters import _token_versions_column
+
+    masks = [bytes([1, 1, 0, 1]), bytes([0, 1, 1]), bytes([1, 0])]
+    turns = [
+        [{"weight_version": "1", "output_tokens": 2}, {"weight_version": "2", "output_tokens": 1}],
+        [{"weight_version": None, "output_tokens": 1}, {"weight_version": "2", "output_tokens": 1}],
+        [{"weight_version": "3", "output_tokens": 1}],
+    ]
+    expected = [["1", "1", None, "2"], [None, None, "2"], ["3", None]]
+    assert _token_versions_column(masks, turns).to_pylist() == expected
+    turns[1][0]["output_tokens"] = 5  # damaged: more outputs than sampled tokens
+    column = _token_versions_column(masks, turns).to_pylist()
+    assert column[0] == expected[0] and column[2] == expected[2]

@@ -77,8 +77,8 @@ async def get_batch_results(
 async def cancel(services: ServicesDep, batch_id: BatchId) -> CancelOut:
     """Ends the batch's queued and running episodes `cancelled`; finished ones stay as they are.
     Idempotent. Running episodes stop at once: here by cancelling them, elsewhere by aborting their
-    engine requests; another process's episode waiting on its env stops at its next lease renewal
-    (LEASE_SECONDS / 3), and its result, if any, is not stored."""
+    engine requests; the other processes find their batch cancelled within half a second (see
+    EpisodeWorker._cancelled_loop), and no result of theirs is stored."""
     cancellation = await cancel_batch(services.database, batch_id)
     if cancellation is None:
         raise NotFound(f"no batch {batch_id!r}")

@@ -136,8 +136,10 @@ class EpisodeRunner:
         """Why the episode's oldest sampled token lags the newest weights seen by more than its
         max_staleness; None if it does not (or has no bound, or no versions are numbers)."""
         bound, newest = episode.spec.request.max_staleness, self.newest_version
+        if bound is None or newest is None:
+            return None
         numbers = [n for turn in episode.turns if (n := version_number(turn.weight_version)) is not None]
-        if bound is None or newest is None or not numbers or newest - min(numbers) <= bound:
+        if not numbers or newest - min(numbers) <= bound:
             return None
         return (
             f"stale: sampled from weight version {min(numbers)}, {newest - min(numbers)} behind the "

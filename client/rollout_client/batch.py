@@ -41,15 +41,47 @@ class EpisodeArrays:
     error: str | None
     messages_json: str = field(repr=False)
     info_json: str = field(repr=False)
-    token_versions: pa.ListScalar | None = field(default=None, repr=False)
+    # The Arrow list scalar of the episode's token_weight_versions, or the JSON list.
+    token_versions: pa.ListScalar | list[str | None] | None = field(default=None, repr=False)
 
     @cached_property
     def token_weight_versions(self) -> list[str | None]:
         """Per response token, the weight version that sampled it (None: not sampled)."""
+        if isinstance(self.token_versions, list):
+            return self.token_versions
         if self.token_versions is None or not self.token_versions.is_valid:
             return [None] * len(self.response_ids)
         versions: list[str | None] = self.token_versions.as_py()
         return versions
+
+    @classmethod
+    def from_detail(cls, episode: dict[str, Any]) -> EpisodeArrays:
+        """An episode as GET /episodes/{id} answers it (JSON)."""
+
+        def numbers(name: str, dtype: type[np.generic]) -> Any:
+            return np.asarray(episode.get(name) or [], dtype=dtype)
+
+        return cls(
+            episode_id=episode["id"],
+            batch_id=episode["batch_id"],
+            group_index=episode["group_index"],
+            sample_index=episode["sample_index"],
+            task_index=episode["task_index"],
+            status=episode["status"],
+            reward=episode["reward"],
+            attempt=episode["attempt"],
+            num_turns=episode["num_turns"],
+            prompt_ids=numbers("prompt_ids", np.int32),
+            response_ids=numbers("response_ids", np.int32),
+            loss_mask=numbers("loss_mask", np.uint8),
+            rollout_logprobs=numbers("rollout_logprobs", np.float64),
+            weight_versions=episode["weight_versions"],
+            finish_reasons=[(reason or {}).get("type") for reason in episode["finish_reasons"]],
+            error=episode["error"],
+            messages_json=json.dumps(episode["messages"]),
+            info_json=json.dumps(episode["info"]),
+            token_versions=episode.get("token_weight_versions"),
+        )
 
     @cached_property
     def messages(self) -> list[dict[str, Any]] | None:

@@ -292,8 +292,8 @@ def _train(args: Any, rollout_id: int, data_source: Any, client: RolloutClient, 
 
 
 def _finished_groups(args: Any, client: RolloutClient, submitted: list[_Submitted]) -> list[list[Any]]:
-    """The groups that completed since the last call, filled; the Arrow stream is pulled only for
-    batches whose summary counts new complete groups."""
+    """The groups that completed since the last call, filled. Each batch's summary names its
+    complete groups' episodes; only the new ones are fetched, each once."""
     finished = []
     for batch in submitted:
         if not batch.groups:
@@ -302,10 +302,13 @@ def _finished_groups(args: Any, client: RolloutClient, submitted: list[_Submitte
         if summary["groups_complete"] == batch.consumed:
             continue
         batch.consumed = summary["groups_complete"]
-        for group_index, episodes in client.batch(batch.batch_id).groups().items():
-            samples = batch.groups.pop(group_index, None)
-            if samples is not None:
-                finished.append(_fill_group(args, samples, episodes))
+        new: dict[int, list[str]] = {}
+        for episode in sorted(summary["episodes"], key=lambda e: (e["group_index"], e["sample_index"])):
+            if episode["group_index"] in batch.groups:
+                new.setdefault(episode["group_index"], []).append(episode["id"])
+        for group_index, episode_ids in new.items():
+            episodes = [EpisodeArrays.from_detail(client.episode(episode_id)) for episode_id in episode_ids]
+            finished.append(_fill_group(args, batch.groups.pop(group_index), episodes))
     return finished
 
 

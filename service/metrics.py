@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_MEDIA_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from service.records import EpisodeResult, EpisodeStatus
+from service.records import DEADLINE_NOTE, EpisodeResult, EpisodeStatus
 
 LATENCY_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -36,6 +36,11 @@ class Metrics:
         for when in ("queued", "running"):
             self.cancelled.labels(when)
         self.turns = Counter("rollout_turns", "Generate calls of finished episodes.", registry=registry)
+        self.past_deadline = Counter(
+            "rollout_episodes_past_deadline",
+            "Episodes ended truncated by their episode_timeout_seconds.",
+            registry=registry,
+        )
         self.resumes = Counter(
             "rollout_turn_resumes",
             "Generate calls of finished episodes that resumed a turn the engine aborted.",
@@ -85,6 +90,8 @@ class Metrics:
         self.finished.labels(result.status.value).inc()
         self.turns.inc(len(result.turns))
         self.resumes.inc(len(result.turns) - result.num_turns)
+        if result.error is not None and result.error.startswith(DEADLINE_NOTE):
+            self.past_deadline.inc()
         sampled = sum(result.loss_mask)
         self.tokens.labels("prompt").inc(len(result.prompt_ids))
         self.tokens.labels("sampled").inc(sampled)

@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 DEFAULT_MAX_NEW_TOKENS = 1024  # per turn, when sampling_params has none
+DEADLINE_NOTE = "deadline"  # the error of an episode that ran past its episode_timeout_seconds
 
 
 class EpisodeStatus(StrEnum):
@@ -69,6 +70,7 @@ class EpisodeRequest:
     max_turns: int
     max_response_tokens: int | None = None
     max_staleness: int | None = None  # weight versions an episode's oldest token may lag the newest
+    episode_timeout_seconds: float | None = None  # past it, an attempt ends truncated ("deadline")
 
 
 @dataclass(frozen=True)

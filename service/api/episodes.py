@@ -92,6 +92,7 @@ def new_batch(body: SubmitEpisodes) -> NewBatch:
                     max_turns=body.max_turns,
                     max_response_tokens=body.max_response_tokens,
                     max_staleness=body.max_staleness,
+                    episode_timeout_seconds=body.episode_timeout_seconds,
                 ),
             )
             for group, task_index in enumerate(body.task_indices)

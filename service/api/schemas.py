@@ -22,6 +22,7 @@ from service.records import DEFAULT_MAX_NEW_TOKENS, EpisodeStatus, TurnRecord
 BATCH_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 ID_PATTERN = BATCH_ID_PATTERN
 MAX_TURNS_LIMIT = 1000
+MAX_EPISODE_TIMEOUT_SECONDS = 7 * 24 * 3600
 INT32_MAX = 2**31 - 1  # integers are stored as 32-bit columns
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
@@ -159,6 +160,13 @@ class SubmitEpisodes(BaseModel):
         description="Weight versions an episode's oldest sampled token may lag the newest version the "
         "service has seen; past it the episode re-runs from scratch (a new attempt, not a failure). "
         "Versions are integers; SGLang's 'default' counts 0; other names are never stale.",
+    )
+    episode_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_EPISODE_TIMEOUT_SECONDS,
+        description="An episode still running this long after it started ends truncated, its error "
+        "'deadline: ...', its engine request aborted and its env closed; its reward is the env's so far.",
     )
     metadata: Annotated[dict[str, Any], AfterValidator(storable_json)] = Field(
         default_factory=dict,

@@ -15,6 +15,7 @@ from service.envs.errors import EnvError, EnvWorkerCrashed
 from service.loop.tokens import ChatTokenizer, Trajectory
 from service.loop.toolcalls import ToolCallParseError, ToolCallParser, strip_reasoning
 from service.records import (
+    DEADLINE_NOTE,
     DEFAULT_MAX_NEW_TOKENS,
     EpisodeResult,
     EpisodeSpec,
@@ -89,10 +90,20 @@ class EpisodeRunner:
     async def _run(self, spec: EpisodeSpec) -> EpisodeResult:
         episode = _Episode(spec)
         session: EnvSession | None = None
+        timeout = spec.request.episode_timeout_seconds
+        deadline = asyncio.timeout(timeout)  # None: no deadline
         try:
-            episode.phase = "construction"
-            session = await self.envs.open(spec.request.env, spec.request.task_split, spec.key)
-            return await self._play(episode, session)
+            async with deadline:
+                episode.phase = "construction"
+                session = await self.envs.open(spec.request.env, spec.request.task_split, spec.key)
+                return await self._play(episode, session)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            # The engine call under way, if any, was cancelled: free its slot on the engine too.
+            await self.engine.abort(attempt_rid_prefix(spec.episode_id, spec.attempt))
+            note = f"{DEADLINE_NOTE}: still running after {timeout:g} s ({episode.phase})"
+            return episode.end(EpisodeStatus.TRUNCATED, note)
         except EngineRequestError as error:
             if CONTEXT_LENGTH_ERROR in str(error).lower():  # the conversation outgrew the model
                 return episode.end(EpisodeStatus.TRUNCATED, f"context length reached: {error}")

@@ -119,6 +119,7 @@ class Episode(Base):
     max_turns: Mapped[int] = mapped_column(Integer)
     max_response_tokens: Mapped[int | None] = mapped_column(Integer)
     max_staleness: Mapped[int | None] = mapped_column(Integer)
+    episode_timeout_seconds: Mapped[float | None] = mapped_column(Float)
 
     status: Mapped[str] = mapped_column(String(16))
     # Fencing token: +1 on every re-queue, so a worker that lost its lease cannot finish the row.

@@ -1,4 +1,4 @@
-"""episodes.max_staleness: the staleness bound of POST /episodes
+"""episode limits of POST /episodes: max_staleness and episode_timeout_seconds
 
 Revision ID: 0004
 Revises: 0003
@@ -21,8 +21,10 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("episodes") as batch:
         batch.add_column(sa.Column("max_staleness", sa.Integer(), nullable=True))
+        batch.add_column(sa.Column("episode_timeout_seconds", sa.Float(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("episodes") as batch:
+        batch.drop_column("episode_timeout_seconds")
         batch.drop_column("max_staleness")

@@ -99,10 +99,12 @@ def local_service() -> Iterator[str]:
 
 def run(args: argparse.Namespace, url: str) -> None:
     with RolloutClient(url, args.api_key) as client:
+        split_sizes = {env["name"]: env["splits"] for env in client.envs()}[args.env]
+        num_tasks = split_sizes[args.split]
         for step in range(args.steps):
             started = time.monotonic()
             # Tasks of this step; the batch id names the run and the step: rerunning a step resumes it.
-            tasks = [(step * args.tasks + offset) % args.num_tasks for offset in range(args.tasks)]
+            tasks = [(step * args.tasks + offset) % num_tasks for offset in range(args.tasks)]
             submitted = client.submit(
                 args.env,
                 tasks,
@@ -123,7 +125,6 @@ def main() -> None:
     parser.add_argument("--api-key")
     parser.add_argument("--env", default="builtin/shop")
     parser.add_argument("--split", default="train")
-    parser.add_argument("--num-tasks", type=int, default=200, help="Tasks in the split")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tasks", type=int, default=8, help="Groups per step")
     parser.add_argument("--samples", type=int, default=8, help="Samples per group")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+import pyarrow as pa
 import pytest
 from rollout_client import (
     AsyncRolloutClient,
@@ -20,7 +22,11 @@ from rollout_client import (
     WaitTimeout,
 )
 
+from service.app import create_app
+from service.serving import serve_app
+from service.sim.worker import SimWorker
 from service.storage.db import Database
+from tests.conftest import service_settings
 from tests.support.service_process import (
     episodes_of,
     free_port,
@@ -86,7 +92,9 @@ async def test_async_client_submits_waits_and_pulls_exact_arrays(client: httpx.A
 async def test_sync_client_submits_waits_and_pulls_exact_arrays(client: httpx.AsyncClient) -> None:
     def run() -> Any:
         with RolloutClient(str(client.base_url)) as rollouts:
-            submitted = rollouts.submit("builtin/shop", list(range(TASKS)), samples_per_task=SAMPLES)
+            assert "builtin/shop" in {env["name"] for env in rollouts.envs()}
+            # numpy integers, as a trainer holds task indices, go as JSON numbers
+            submitted = rollouts.submit("builtin/shop", np.arange(TASKS), samples_per_task=SAMPLES)
             assert submitted.batch_id.startswith("b-")  # generated: every submit carries one
             rollouts.wait(submitted.batch_id, timeout=60)
             return rollouts.batch(submitted.batch_id)
@@ -145,6 +153,69 @@ async def test_retries_give_up_with_service_unavailable() -> None:
     async with AsyncRolloutClient(url, retries=2, backoff=0.01) as rollouts:
         with pytest.raises(ServiceUnavailable, match="failed 3 times; last: ConnectError"):
             await rollouts.envs()
+
+
+def test_a_wait_on_a_dead_service_ends_at_its_timeout() -> None:
+    """The default retries would pause some 45 s in all: a wait's deadline cuts them short."""
+    with RolloutClient(f"http://127.0.0.1:{free_port()}") as rollouts:
+        started = time.monotonic()
+        with pytest.raises(WaitTimeout, match="last: ConnectError"):
+            rollouts.wait("b-1", timeout=1.0)
+        assert time.monotonic() - started < 3
+
+
+def test_a_service_url_without_a_scheme_is_refused_at_once() -> None:
+    with pytest.raises(ValueError, match="http://"):
+        RolloutClient("127.0.0.1:8000")
+
+
+def arrow_stream(rows: int) -> bytes:
+    sink = pa.BufferOutputStream()
+    table = pa.table({"x": list(range(rows))})
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=1):
+            writer.write_batch(batch)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def test_5xx_and_a_cut_short_arrow_stream_are_retried_and_4xx_text_is_the_message() -> None:
+    """A 503 is retried; so is an Arrow body that ends at a message boundary without the stream's
+    end marker (the service failed mid-pull), which pyarrow would read as a shorter table."""
+    whole = arrow_stream(4)
+    answers = [
+        httpx.Response(503, json={"detail": "database unavailable", "errors": []}),
+        httpx.Response(200, content=whole[: whole.rindex(b"\xff\xff\xff\xff", 0, len(whole) - 8)]),
+        httpx.Response(200, content=whole),
+    ]
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/batches/gone":
+            return httpx.Response(410, text="gone for good")
+        return answers[len(seen) - 1]
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    with RolloutClient("http://rollouts.test", "k1", http=http, backoff=0.01) as rollouts:
+        assert rollouts.batch_table("b-1").column("x").to_pylist() == [0, 1, 2, 3]
+        with pytest.raises(RequestError) as refused:
+            rollouts.summary("gone")
+    assert len(seen) == 4 and (refused.value.status_code, refused.value.message) == (410, "gone for good")
+    # An httpx client passed in has no base URL and no key of its own: the client adds both.
+    assert all(request.headers["authorization"] == "Bearer k1" for request in seen)
+    assert str(seen[0].url) == "http://rollouts.test/batches/b-1"
+    assert seen[0].headers["accept"] == "application/vnd.apache.arrow.stream"
+
+
+async def test_api_key(database_url: str, sim: tuple[SimWorker, str]) -> None:
+    app = create_app(service_settings(database_url, sim[1], api_keys="k1", run_worker=False))
+    async with serve_app(app) as url:
+        async with AsyncRolloutClient(url, "k1") as rollouts:
+            assert "builtin/shop" in {env["name"] for env in await rollouts.envs()}
+        async with AsyncRolloutClient(url, "wrong") as rollouts:
+            with pytest.raises(RequestError) as refused:
+                await rollouts.envs()
+        assert refused.value.status_code == 401
 
 
 async def test_cancel_and_wait_timeout(database_url: str, db: Database, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from rollout_client import plans
 from rollout_client.batch import Batch
-from rollout_client.plans import Call, Outcome, Pause, Plan, Retries, Submission
+from rollout_client.plans import Call, Outcome, Pause, Plan, Retries, Submission, SubmitFields
 
 T = TypeVar("T")
 
@@ -39,6 +39,9 @@ class _Api:
     often to retry, the plan of each call, and how a plan moves on."""
 
     def __init__(self, url: str, api_key: str | None, options: Options) -> None:
+        if httpx.URL(url).scheme not in ("http", "https"):
+            # Else every call would retry httpx's UnsupportedProtocol (a TransportError) in vain.
+            raise ValueError(f"the service's URL must be http:// or https://, not {url!r}")
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = options.get("timeout", 60.0)
@@ -57,13 +60,17 @@ class _Api:
     def http_options(self) -> dict[str, Any]:
         # Long-polls hold a connection each: no pool limit makes concurrent waits queue behind them.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        return {"base_url": self.url, "headers": self.headers, "timeout": self.timeout, "limits": limits}
+        return {"timeout": self.timeout, "limits": limits}
 
     def request_options(self, call: Call) -> dict[str, Any]:
+        # The URL and the key go with each request, not into the httpx client: one passed in as
+        # `http` needs neither a base_url nor the key.
         return {
+            "method": call.method,
+            "url": self.url + call.path,
             "params": call.params,
             "json": call.json,
-            "headers": call.headers,
+            "headers": {**self.headers, **(call.headers or {})},
             "timeout": call.timeout if call.timeout is not None else self.timeout,
         }
 
@@ -72,7 +79,7 @@ class _Api:
     def envs(self) -> Plan[Any]:
         return plans.json_of(Call("GET", "/envs"), self.retries)
 
-    def submit(self, env: str, task_indices: Sequence[int], **fields: Any) -> Plan[Submission]:
+    def submit(self, env: str, task_indices: Sequence[int], fields: SubmitFields) -> Plan[Submission]:
         return plans.submit(self.retries, env, task_indices, **fields)
 
     def wait(self, batch_id: str, timeout: float | None, poll: float) -> Plan[dict[str, Any]]:
@@ -120,7 +127,7 @@ class RolloutClient:
             time.sleep(step.seconds)
             return None
         try:
-            return self._http.request(step.method, step.path, **self._api.request_options(step))
+            return self._http.request(**self._api.request_options(step))
         except httpx.TransportError as error:
             return error
 
@@ -128,10 +135,11 @@ class RolloutClient:
         """GET /envs: the environments, their splits and sizes."""
         return self._run(self._api.envs())
 
-    def submit(self, env: str, task_indices: Sequence[int], **fields: Any) -> Submission:
+    def submit(self, env: str, task_indices: Sequence[int], **fields: Unpack[SubmitFields]) -> Submission:
         """POST /episodes: `samples_per_task`, `task_split`, `sampling_params`, `max_turns`,
-        `max_response_tokens`, `metadata`, `batch_id` (generated when absent) as keywords."""
-        return self._run(self._api.submit(env, task_indices, **fields))
+        `max_response_tokens`, `metadata`, `batch_id` (generated when absent) as keywords; a
+        field left out (or None) takes the service's default."""
+        return self._run(self._api.submit(env, task_indices, fields))
 
     def wait(self, batch_id: str, timeout: float | None = None, *, poll: float = 30.0) -> dict[str, Any]:
         """Long-polls until the batch is complete; returns its summary. Raises WaitTimeout."""
@@ -167,7 +175,7 @@ class RolloutClient:
 
 
 class AsyncRolloutClient:
-    """RolloutClient's API for asyncio: the same methods, awaited; `async with` or aclose()."""
+    """RolloutClient's API for asyncio: the same methods, awaited; `async with` or close()."""
 
     def __init__(
         self,
@@ -191,15 +199,17 @@ class AsyncRolloutClient:
             await asyncio.sleep(step.seconds)
             return None
         try:
-            return await self._http.request(step.method, step.path, **self._api.request_options(step))
+            return await self._http.request(**self._api.request_options(step))
         except httpx.TransportError as error:
             return error
 
     async def envs(self) -> list[dict[str, Any]]:
         return await self._run(self._api.envs())
 
-    async def submit(self, env: str, task_indices: Sequence[int], **fields: Any) -> Submission:
-        return await self._run(self._api.submit(env, task_indices, **fields))
+    async def submit(
+        self, env: str, task_indices: Sequence[int], **fields: Unpack[SubmitFields]
+    ) -> Submission:
+        return await self._run(self._api.submit(env, task_indices, fields))
 
     async def wait(
         self, batch_id: str, timeout: float | None = None, *, poll: float = 30.0
@@ -221,11 +231,11 @@ class AsyncRolloutClient:
     async def cancel(self, batch_id: str) -> dict[str, Any]:
         return await self._run(self._api.cancel(batch_id))
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncRolloutClient:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
+        await self.close()

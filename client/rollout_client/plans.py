@@ -8,12 +8,13 @@ retries, the long-poll loop and the parsing are the same code in both.
 
 from __future__ import annotations
 
+import operator
 import random
 import time
 import uuid
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import httpx
 
@@ -22,7 +23,11 @@ from rollout_client.errors import RequestError, ServiceUnavailable, WaitTimeout
 
 T = TypeVar("T")
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
+# Arrow's IPC end-of-stream marker. pyarrow reads a stream cut short at a message boundary (the
+# service failing mid-pull) as a shorter table without complaint: only the marker tells them apart.
+ARROW_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 RETRY_STATUSES = frozenset({408, 429})  # and every 5xx
+MAX_DOUBLINGS = 32  # of the backoff: enough to reach any max_backoff, and 2**n stays a float
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,18 @@ class Submission:
     created: bool  # False: the service had this batch already (a retried or repeated submit)
 
 
+class SubmitFields(TypedDict, total=False):
+    """POST /episodes' optional fields; one left out takes the service's default."""
+
+    samples_per_task: int
+    task_split: str | None
+    sampling_params: dict[str, Any] | None
+    max_turns: int | None
+    max_response_tokens: int | None
+    metadata: dict[str, Any] | None
+    batch_id: str | None  # generated when absent
+
+
 @dataclass(frozen=True)
 class Retries:
     """Connection errors, timeouts, 5xx, 408 and 429 are tried again `count` times, after
@@ -63,7 +80,8 @@ class Retries:
     max_backoff: float = 10.0
 
     def delay(self, attempt: int) -> float:
-        return float(min(self.backoff * 2**attempt, self.max_backoff) * random.uniform(0.8, 1.2))
+        doubled = self.backoff * 2 ** min(attempt, MAX_DOUBLINGS)
+        return float(min(doubled, self.max_backoff) * random.uniform(0.8, 1.2))
 
 
 def _message(response: httpx.Response) -> tuple[str, Any]:
@@ -76,24 +94,36 @@ def _message(response: httpx.Response) -> tuple[str, Any]:
     return (str(detail) if detail is not None else response.text), body
 
 
-def request(call: Call, retries: Retries) -> Plan[httpx.Response]:
+def _failure(outcome: Outcome | None, complete: Callable[[httpx.Response], bool] | None = None) -> str | None:
+    """What went wrong, if it is worth another try: a transport error, a 5xx, 408 or 429, or a body
+    that `complete` finds cut short. None: a usable answer. A 4xx raises RequestError."""
+    if isinstance(outcome, httpx.TransportError):
+        return f"{type(outcome).__name__}: {outcome}"
+    assert outcome is not None
+    if outcome.status_code >= 500 or outcome.status_code in RETRY_STATUSES:
+        return f"HTTP {outcome.status_code}: {_message(outcome)[0]}"
+    if outcome.status_code >= 400:
+        message, body = _message(outcome)
+        raise RequestError(outcome.status_code, message, body)
+    if complete is not None and not complete(outcome):
+        return f"the body of {len(outcome.content)} bytes was cut short"
+    return None
+
+
+def request(
+    call: Call, retries: Retries, complete: Callable[[httpx.Response], bool] | None = None
+) -> Plan[httpx.Response]:
     """The call, tried until it gets an answer that is not a server-side failure."""
     problem = ""
     for attempt in range(retries.count + 1):
         if attempt:
             yield Pause(retries.delay(attempt - 1))
         outcome = yield call
-        if isinstance(outcome, httpx.TransportError):
-            problem = f"{type(outcome).__name__}: {outcome}"
-            continue
-        assert outcome is not None
-        if outcome.status_code >= 500 or outcome.status_code in RETRY_STATUSES:
-            problem = f"HTTP {outcome.status_code}: {_message(outcome)[0]}"
-            continue
-        if outcome.status_code >= 400:
-            message, body = _message(outcome)
-            raise RequestError(outcome.status_code, message, body)
-        return outcome
+        failure = _failure(outcome, complete)
+        if failure is None:
+            assert isinstance(outcome, httpx.Response)
+            return outcome
+        problem = failure
     raise ServiceUnavailable(f"{call.method} {call.path} failed {retries.count + 1} times; last: {problem}")
 
 
@@ -127,7 +157,8 @@ def submit(
     body = {
         "batch_id": batch_id or f"b-{uuid.uuid4().hex}",
         "env": env,
-        "task_indices": list(task_indices),
+        # operator.index: numpy integers (a trainer's usual) become JSON numbers; floats are refused.
+        "task_indices": [operator.index(task) for task in task_indices],
         "samples_per_task": samples_per_task,
         **{name: value for name, value in optional.items() if value is not None},
     }
@@ -135,36 +166,55 @@ def submit(
     return Submission(answer["batch_id"], answer["episode_ids"], answer["created"])
 
 
+def _long_poll(path: str, wait: float, timeout: float) -> Call:
+    # The request outlasts the long-poll by `timeout`: the service answers when `wait` ends.
+    return Call("GET", path, params={"wait": wait} if wait else None, timeout=wait + timeout)
+
+
 def summary(retries: Retries, batch_id: str, wait: float, timeout: float) -> Plan[dict[str, Any]]:
-    call = Call(
-        "GET", f"/batches/{batch_id}", params={"wait": wait} if wait else None, timeout=wait + timeout
-    )
-    answer: dict[str, Any] = yield from json_of(call, retries)
+    answer: dict[str, Any] = yield from json_of(_long_poll(f"/batches/{batch_id}", wait, timeout), retries)
     return answer
 
 
 def wait(
     retries: Retries, batch_id: str, timeout: float | None, poll: float, request_timeout: float
 ) -> Plan[dict[str, Any]]:
-    """Long-polls the batch until it is complete. A service that stops answering (restarting, its
-    database down) is asked again until `timeout`: only a 4xx ends the wait early."""
+    """Long-polls the batch until it is complete (every episode has a final status). A service that
+    stops answering (restarting, its database down) is asked again with backoff, as long as
+    `timeout` allows (None: forever), so `retries` does not bound it: only a 4xx ends the wait
+    early. No poll or pause runs past the deadline."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    failures, problem = 0, ""
     while True:
         remaining = poll if deadline is None else min(poll, deadline - time.monotonic())
         if remaining <= 0:
-            raise WaitTimeout(f"batch {batch_id} not complete after {timeout} s")
-        try:
-            answer = yield from summary(retries, batch_id, remaining, request_timeout)
-        except ServiceUnavailable:
+            last = f"; last: {problem}" if problem else ""
+            raise WaitTimeout(f"batch {batch_id} not complete after {timeout} s{last}")
+        outcome = yield _long_poll(f"/batches/{batch_id}", remaining, request_timeout)
+        failure = _failure(outcome)
+        if failure is None:
+            assert isinstance(outcome, httpx.Response)
+            answer: dict[str, Any] = outcome.json()
+            if answer["complete"]:
+                return answer
+            failures, problem = 0, ""
             continue
-        if answer["complete"]:
-            return answer
+        pause = retries.delay(failures)
+        failures, problem = failures + 1, failure
+        if deadline is not None:
+            pause = min(pause, deadline - time.monotonic())
+        if pause > 0:
+            yield Pause(pause)
 
 
 def batch_table(retries: Retries, batch_id: str, timeout: float) -> Plan[Any]:
     call = Call("GET", f"/batches/{batch_id}", headers={"Accept": ARROW_STREAM}, timeout=timeout)
-    response = yield from request(call, retries)
+    response = yield from request(call, retries, complete=_whole_arrow_stream)
     return read_table(response.content)
+
+
+def _whole_arrow_stream(response: httpx.Response) -> bool:
+    return response.content.endswith(ARROW_STREAM_END)
 
 
 def batch(retries: Retries, batch_id: str, timeout: float) -> Plan[Batch]:
@@ -173,8 +223,5 @@ def batch(retries: Retries, batch_id: str, timeout: float) -> Plan[Batch]:
 
 
 def episode(retries: Retries, episode_id: str, wait: float, timeout: float) -> Plan[dict[str, Any]]:
-    call = Call(
-        "GET", f"/episodes/{episode_id}", params={"wait": wait} if wait else None, timeout=wait + timeout
-    )
-    answer: dict[str, Any] = yield from json_of(call, retries)
+    answer: dict[str, Any] = yield from json_of(_long_poll(f"/episodes/{episode_id}", wait, timeout), retries)
     return answer

@@ -11,7 +11,7 @@ from typing import cast
 
 from fastapi import Depends, FastAPI
 
-from service.api import batches, engine, envs, episodes, health
+from service.api import batches, engine, envs, episodes, groups, health
 from service.api.contract import install_contract
 from service.api.deps import refuse_unknown_query_parameters
 from service.api.errors import install_error_handlers
@@ -30,6 +30,7 @@ from service.metrics import Metrics
 from service.records import EpisodeResult
 from service.storage.db import Database
 from service.storage.queue import ClaimedEpisode
+from service.worker.group_log import GroupLog
 from service.worker.worker import EpisodeWorker
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,10 @@ async def lifespan(
             ),
         )
         results = ResultsSignal()
+        # Long-polls of /groups wake when this process logs groups (other processes' are polled).
+        group_log = GroupLog(database, metrics, on_logged=lambda completed: results.notify())
+        group_log.start()
+        resources.push_async_callback(group_log.stop)
         pause = EnginePause(settings.max_pause_seconds, lambda: engine.control("/continue_generation", {}))
         resources.push_async_callback(pause.aclose)
         worker = None
@@ -127,6 +132,7 @@ async def lifespan(
 
             def episode_stored(claim: ClaimedEpisode, result: EpisodeResult) -> None:
                 metrics.episode_finished(result)
+                group_log.touch([(claim.batch_id, claim.group_index)])
                 results.notify()
 
             worker = EpisodeWorker(settings, database, runner, on_finished=episode_stored)
@@ -140,6 +146,7 @@ async def lifespan(
             shutting_down=shutting_down,
             pause=pause,
             worker=worker,
+            group_log=group_log,
         )
         if worker is not None:
             worker.start()
@@ -164,7 +171,7 @@ def create_app(settings: Settings | None = None, shutting_down: asyncio.Event | 
     )
     install_error_handlers(app)
     install_middleware(app, settings)
-    for module in (episodes, batches, envs, engine, health):
+    for module in (episodes, batches, groups, envs, engine, health):
         app.include_router(module.router)
     install_contract(app)
     return app

@@ -15,6 +15,7 @@ from service.engine.client import SGLangClient
 from service.envs.base import EnvSpec
 from service.metrics import Metrics
 from service.storage.db import Database
+from service.worker.group_log import GroupLog
 from service.worker.worker import EpisodeWorker
 
 logger = logging.getLogger(__name__)
@@ -185,5 +186,6 @@ class Services:
     shutting_down: asyncio.Event  # set when the server was told to stop: long-polls return at once
     pause: EnginePause  # whether a trainer paused generation, and since when
     worker: EpisodeWorker | None  # None when this process only serves the API (RUN_WORKER=false)
+    group_log: GroupLog  # logs complete groups in the stream of GET /groups
     summaries: GroupSummaries = field(default_factory=GroupSummaries)
     summary_reads: SharedReads[str, bytes | None] = field(default_factory=SharedReads)

@@ -41,6 +41,16 @@ class Metrics:
             "Episodes ended truncated by their episode_timeout_seconds.",
             registry=registry,
         )
+        self.groups_completed = Counter(
+            "rollout_groups_completed",
+            "Groups this process logged complete in the stream of GET /groups.",
+            registry=registry,
+        )
+        self.groups_filtered = Counter(
+            "rollout_groups_filtered",
+            "Complete groups that pages of GET /groups served here skipped for min_reward_std.",
+            registry=registry,
+        )
         self.resumes = Counter(
             "rollout_turn_resumes",
             "Generate calls of finished episodes that resumed a turn the engine aborted.",

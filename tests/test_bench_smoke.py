@@ -133,3 +133,14 @@ def test_weight_update_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert (resumed["episodes_lost"], resumed["tokens_sampled_twice"]) == (0, 0)
     assert resumed["resumed_calls"] > 0 and not_resumed["episodes_lost"] > 0  # the updates did cut turns
     assert len(resumed["abort_loops"]) == 2
+
+
+def test_stragglers_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("stragglers")
+    returned = bench.main(["--groups", "2", "--latency", "0.01", "--deadline", "0.5"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result == json.loads(json.dumps(returned))
+    for way in ("whole_batch", "stream", "stream_deadline"):
+        assert sorted(result[way]["seconds_to_k_groups"]) == ["1", "2"]
+        assert sum(result[way]["counts"].values()) == 2 * result["samples"]
+    assert_positive(result["speedup_vs_whole_batch"]["stream"], "1", "2")

@@ -20,11 +20,12 @@ from sqlalchemy import Row
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from service.api.schemas import BatchOut, EpisodeDetail
+from service.api.schemas import BatchGroupOut, BatchOut, EpisodeDetail, GroupsOut, RewardStatsOut
 from service.app_state import GroupSummaries
 from service.records import FINISHED_STATUSES, TurnRecord
 from service.storage import blobs
-from service.storage.batch_rows import BatchHead, BatchRows, EpisodeColumns
+from service.storage.batch_rows import BatchHead, BatchRows, EpisodeColumns, EpisodeRows
+from service.storage.groups import GroupPage, RewardStats
 from service.storage.models import Episode
 
 ARROW_STREAM_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
@@ -116,6 +117,7 @@ def batch_json_head(head: BatchHead) -> tuple[bytes, bytes]:
     streamed in between, a chunk at a time."""
     counts = head.counts
     total = sum(counts.values())
+    stats = head.group_stats
     finished = sum(counts[status] for status in FINISHED_STATUSES)
     body = BatchOut(
         batch_id=head.batch_id,
@@ -129,11 +131,47 @@ def batch_json_head(head: BatchHead) -> tuple[bytes, bytes]:
         complete=finished == total,
         groups_complete=head.groups_complete,
         groups_total=head.groups_total,
+        groups_filtered=sum(1 for group in stats.values() if not group.std),
+        groups=[BatchGroupOut(group_index=group, reward=reward_stats_out(stats[group])) for group in stats],
         episodes=[],
     )
     text = body.model_dump_json().encode()
     assert text.endswith(b'"episodes":[]}'), "the episodes must be BatchOut's last field"
     return text.removesuffix(b"]}"), b"]}"
+
+
+def reward_stats_out(stats: RewardStats) -> RewardStatsOut:
+    return RewardStatsOut(count=stats.count, mean=stats.mean, std=stats.std, min=stats.min, max=stats.max)
+
+
+def groups_page_json(page: GroupPage, episodes: Sequence[Row[Any]]) -> bytes:
+    """A page of GET /groups (GroupsOut): its groups with their episodes' summaries (SUMMARY_SELECTED
+    rows with batch_id, by group in the page's order, then sample)."""
+    items: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in episodes:
+        item = _summary_item(row[: len(SUMMARY_FIELDS)])
+        items.setdefault((row.batch_id, row.group_index), []).append(item)
+    groups = [
+        {
+            "cursor": group.seq,
+            "batch_id": group.batch_id,
+            "group_index": group.group_index,
+            "env": group.env,
+            "task_index": group.task_index,
+            "completed_at": group.completed_at,
+            "reward": {
+                "count": group.reward_count,
+                "mean": group.reward_mean,
+                "std": group.reward_std,
+                "min": group.reward_min,
+                "max": group.reward_max,
+            },
+            "episodes": items.get((group.batch_id, group.group_index), []),
+        }
+        for group in page.groups
+    ]
+    body = GroupsOut.model_validate({"groups": groups, "next": page.next, "filtered": page.filtered})
+    return body.model_dump_json().encode()
 
 
 def _byte_length(size: int | None, width: int) -> int | None:
@@ -363,7 +401,7 @@ class BatchStreamResponse(StreamingResponse):
 
     def __init__(
         self,
-        rows: BatchRows,
+        rows: EpisodeRows,
         chunks: AsyncIterator[Any],
         encode: Callable[[Any], bytes | pa.Buffer],
         *,
@@ -427,8 +465,8 @@ class BatchStreamResponse(StreamingResponse):
             await self._rows.aclose()
 
 
-def arrow_stream(rows: BatchRows) -> BatchStreamResponse:
-    """The batch as an Arrow IPC stream: the schema message, a record batch per chunk, the end marker."""
+def arrow_stream(rows: EpisodeRows) -> BatchStreamResponse:
+    """The episodes as an Arrow IPC stream: the schema message, a record batch per chunk, the end marker."""
     return BatchStreamResponse(
         rows,
         rows.chunks(),

@@ -228,6 +228,22 @@ class EpisodeDetail(EpisodeWithTokens):
     finished_at: datetime | None
 
 
+class RewardStatsOut(BaseModel):
+    """A group's rewards, over its episodes that have one (all null when none has); `std` is the
+    population's (ddof 0), exactly 0 when the rewards are all equal."""
+
+    count: int
+    mean: float | None
+    std: float | None
+    min: float | None
+    max: float | None
+
+
+class BatchGroupOut(BaseModel):
+    group_index: int
+    reward: RewardStatsOut
+
+
 class BatchOut(BaseModel):
     batch_id: str
     env: str
@@ -240,10 +256,37 @@ class BatchOut(BaseModel):
     complete: bool = Field(description="Every episode has a final status.")
     groups_total: int
     groups_complete: int
+    groups_filtered: int = Field(
+        description="Complete groups whose rewards are all equal (no learning signal): those "
+        "`GET /groups?min_reward_std=0` skips, as DAPO's dynamic sampling does."
+    )
+    groups: list[BatchGroupOut] = Field(description="The complete groups' reward statistics, by group index.")
     episodes: list[EpisodeWithTokens] | list[EpisodeSummary] = Field(
         description="Episodes of complete groups only: a group arrives whole, once all its samples ended. "
         "With include_tokens=true each carries its token arrays."
     )
+
+
+class GroupOut(BaseModel):
+    """A complete group in the stream of GET /groups."""
+
+    cursor: int = Field(description="Its place in the stream: `after=` this gives the groups after it.")
+    batch_id: str
+    group_index: int
+    env: str
+    task_index: int
+    completed_at: datetime
+    reward: RewardStatsOut
+    episodes: list[EpisodeSummary] = Field(description="Its episodes, by sample index.")
+
+
+class GroupsOut(BaseModel):
+    groups: list[GroupOut] = Field(description="In the order they completed.")
+    next: int = Field(
+        description="The cursor for the next page: past every group this page looked at, the "
+        "filtered ones included. The same as `after` when none was found."
+    )
+    filtered: int = Field(description="Complete groups this page skipped for `min_reward_std`.")
 
 
 class CancelOut(BaseModel):

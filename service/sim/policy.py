@@ -40,6 +40,10 @@ class SimConfig:
     malformed_call_rate: float = 0.06  # broken JSON in one <tool_call>: the episode is aborted
     ramble_rate: float = 0.08  # one turn is a long reply cut by max_new_tokens
     noncanonical_rate: float = 0.05  # per token: sampled as two or more smaller tokens
+    # Stragglers: this share of episodes (by episode id) takes `slow_episode_factor` times as long
+    # per request (latency and decoding).
+    slow_episode_rate: float = 0.0
+    slow_episode_factor: float = 20.0
     include_stop_token: bool = True  # output_ids end with <|im_end|> on a stop (some builds omit it)
     max_queued_requests: int | None = None  # more requests in flight than this: 503
     weight_version: str = "default"
@@ -105,6 +109,15 @@ def policy_reply(prompt_text: str, key: str, config: SimConfig) -> tuple[str, bo
     if malformed and turn == malformed_turn:
         text = text.replace("}\n</tool_call>", "\n</tool_call>", 1)  # drops the closing brace
     return text, False
+
+
+def latency_factor(rid: str, config: SimConfig) -> float:
+    """How much slower than the configured latency this request's episode runs (a straggler's)."""
+    if config.slow_episode_rate <= 0:
+        return 1.0
+    episode_id = rid.split(":", 1)[0]
+    slow = random.Random(f"{config.seed}:{episode_id}:slow").random() < config.slow_episode_rate
+    return config.slow_episode_factor if slow else 1.0
 
 
 class SimTokens:

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from service.records import rid_attempt_key
-from service.sim.policy import PlannedOutput, SimConfig, SimTokens, plan_output
+from service.sim.policy import PlannedOutput, SimConfig, SimTokens, latency_factor, plan_output
 
 __all__ = ["SimConfig", "SimRequest", "SimWorker", "create_sim_app", "main", "serve_in_thread"]
 
@@ -239,14 +239,17 @@ class SimWorker:
                     self._prefix_cache.popitem(last=False)
                 meta |= {"prompt_tokens": len(request.input_ids), "cached_tokens": cached}
                 decode_seconds = self.config.per_token_latency_seconds * len(output.ids)
+                slower = latency_factor(request.rid, self.config)
                 try:
                     await asyncio.wait_for(
-                        running.aborted.wait(), timeout=self.config.latency_seconds + decode_seconds
+                        running.aborted.wait(),
+                        timeout=(self.config.latency_seconds + decode_seconds) * slower,
                     )
                 except asyncio.TimeoutError:  # noqa: UP041 (Python 3.10 raises the asyncio one)
                     pass
             if running.aborted.is_set():
-                produced = 0 if queued else self._produced(time.monotonic() - start, len(output.ids))
+                elapsed = (time.monotonic() - start) / latency_factor(request.rid, self.config)
+                produced = 0 if queued else self._produced(elapsed, len(output.ids))
                 output = PlannedOutput(
                     output.ids[:produced],
                     output.logprobs[:produced],

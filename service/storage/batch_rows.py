@@ -12,11 +12,12 @@ from datetime import datetime
 from functools import reduce
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, Text, cast, func, select
+from sqlalchemy import ColumnElement, Result, Row, Text, cast, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from service.records import FINISHED_STATUSES, EpisodeStatus
 from service.storage.db import IN_LIST_CHUNK, Database
+from service.storage.groups import RewardStats
 from service.storage.models import TOKEN_COLUMNS, Batch, Episode
 
 # Token blob bytes per chunk: what one pull holds in memory at a time, a few times over (the rows,
@@ -92,45 +93,59 @@ class BatchHead:
     counts: dict[str, int]  # every status a key
     groups_total: int
     complete_groups: dict[int, int]  # group index -> its episodes, for the complete groups, in order
+    group_stats: dict[int, RewardStats]  # of the complete groups
 
     @property
     def groups_complete(self) -> int:
         return len(self.complete_groups)
 
 
-class BatchRows:
-    """A batch in one read snapshot, held open until `aclose()`: its head, and the episodes of the
-    groups that were complete when it was opened, which `chunks()` and `summaries()` read."""
+class EpisodeRows:
+    """Some episodes in one read snapshot, held open until `aclose()`, which `chunks()` reads in
+    the order `_sizes()` gives them."""
 
-    def __init__(
-        self, session: AsyncSession, connection: AsyncConnection, head: BatchHead, chunk_bytes: int
-    ) -> None:
+    def __init__(self, session: AsyncSession, connection: AsyncConnection, chunk_bytes: int) -> None:
         self._session = session
         self._connection = connection
-        self.head = head
         self._chunk_bytes = chunk_bytes
 
-    async def _plan(self) -> list[list[str]]:
-        """The episode ids of the complete groups in order, in chunks of about `chunk_bytes`."""
-        rows = await self._connection.execute(
-            select(Episode.id, Episode.group_index, _TOKEN_BYTES.label("token_bytes"))
-            .where(Episode.batch_id == self.head.batch_id)
-            .order_by(Episode.group_index, Episode.sample_index)
-        )
-        complete = self.head.complete_groups
-        return _chunk_plan(
-            [(row.id, row.token_bytes) for row in rows if row.group_index in complete], self._chunk_bytes
-        )
+    async def _sizes(self) -> list[tuple[str, int]]:
+        """The episodes' ids in order, with their token arrays' bytes."""
+        raise NotImplementedError
 
     async def chunks(self) -> AsyncIterator[EpisodeColumns]:
         """The episodes in order, a chunk of about `chunk_bytes` of token arrays at a time."""
-        for ids in await self._plan():
+        for ids in _chunk_plan(await self._sizes(), self._chunk_bytes):
             rows: list[Row[Any]] = list(
                 await self._connection.execute(select(*_SELECTED).where(Episode.id.in_(ids)))
             )
             position = {episode_id: index for index, episode_id in enumerate(ids)}
             rows.sort(key=lambda row: position[row[0]])  # by primary key: no server-side sort of blobs
             yield EpisodeColumns(*zip(*rows, strict=True))
+
+    async def aclose(self) -> None:
+        """Ends the read transaction and returns the connection; safe to call more than once."""
+        await self._session.close()
+
+
+class BatchRows(EpisodeRows):
+    """A batch in one read snapshot: its head, and the episodes of the groups that were complete
+    when it was opened, which `chunks()` and `summaries()` read."""
+
+    def __init__(
+        self, session: AsyncSession, connection: AsyncConnection, head: BatchHead, chunk_bytes: int
+    ) -> None:
+        super().__init__(session, connection, chunk_bytes)
+        self.head = head
+
+    async def _sizes(self) -> list[tuple[str, int]]:
+        rows = await self._connection.execute(
+            select(Episode.id, Episode.group_index, _TOKEN_BYTES.label("token_bytes"))
+            .where(Episode.batch_id == self.head.batch_id)
+            .order_by(Episode.group_index, Episode.sample_index)
+        )
+        complete = self.head.complete_groups
+        return [(row.id, row.token_bytes) for row in rows if row.group_index in complete]
 
     async def summaries(self, groups: Sequence[int]) -> AsyncIterator[list[Row[Any]]]:
         """The summaries (SUMMARY_SELECTED) of the episodes of `groups` (complete ones), by group
@@ -155,9 +170,79 @@ class BatchRows:
         )
         return list(await self._connection.execute(statement))
 
-    async def aclose(self) -> None:
-        """Ends the read transaction and returns the connection; safe to call more than once."""
-        await self._session.close()
+
+class GroupRows(EpisodeRows):
+    """The episodes of some complete groups (of any batches), by group in the given order, then
+    sample. Complete groups never change: no snapshot is needed."""
+
+    def __init__(
+        self,
+        session: AsyncSession,
+        connection: AsyncConnection,
+        keys: Sequence[tuple[str, int]],
+        chunk_bytes: int,
+    ) -> None:
+        super().__init__(session, connection, chunk_bytes)
+        self.keys = list(keys)
+
+    async def _sizes(self) -> list[tuple[str, int]]:
+        sizes: list[tuple[str, int]] = []
+        for start in range(0, len(self.keys), IN_LIST_CHUNK // 8):  # about 8 episodes a group
+            chunk = self.keys[start : start + IN_LIST_CHUNK // 8]
+            order = {key: index for index, key in enumerate(chunk)}
+            rows = list(
+                await self._connection.execute(
+                    select(Episode.id, Episode.batch_id, Episode.group_index, Episode.sample_index)
+                    .add_columns(_TOKEN_BYTES.label("token_bytes"))
+                    .where(tuple_(Episode.batch_id, Episode.group_index).in_(chunk))
+                )
+            )
+            rows.sort(key=lambda row: (order[(row.batch_id, row.group_index)], row.sample_index))
+            sizes.extend((row.id, row.token_bytes) for row in rows)
+        return sizes
+
+    async def summaries(self) -> list[Row[Any]]:
+        """The summaries (SUMMARY_SELECTED, with batch_id) of the groups' episodes, in order."""
+        rows: list[Row[Any]] = []
+        for start in range(0, len(self.keys), IN_LIST_CHUNK // 8):
+            chunk = self.keys[start : start + IN_LIST_CHUNK // 8]
+            order = {key: index for index, key in enumerate(chunk)}
+            part: list[Row[Any]] = list(
+                await self._connection.execute(
+                    select(*SUMMARY_SELECTED, Episode.batch_id).where(
+                        tuple_(Episode.batch_id, Episode.group_index).in_(chunk)
+                    )
+                )
+            )
+            part.sort(key=lambda row: (order[(row.batch_id, row.group_index)], row.sample_index))
+            rows.extend(part)
+        return rows
+
+
+async def open_group_rows(
+    database: Database, keys: Sequence[tuple[str, int]], *, chunk_bytes: int = CHUNK_BYTES
+) -> GroupRows:
+    session = database.reader()
+    try:
+        options = {"isolation_level": "AUTOCOMMIT"} if database.engine.dialect.name == "postgresql" else {}
+        connection = await session.connection(execution_options=options)
+    except BaseException:
+        await session.close()
+        raise
+    return GroupRows(session, connection, keys, chunk_bytes)
+
+
+def _reward_stats(parts: Sequence[Row[Any]]) -> RewardStats:
+    """A group's reward statistics from its per-status aggregates."""
+    if not parts:
+        return RewardStats.of([])
+    return RewardStats.from_sums(
+        sum(part.rewards for part in parts),
+        sum(part.total for part in parts),
+        sum(part.squares for part in parts),
+        min(part.low for part in parts),
+        max(part.high for part in parts),
+    )
 
 
 def _chunk_plan(ids_and_sizes: Sequence[tuple[str, int]], chunk_bytes: int) -> list[list[str]]:
@@ -203,8 +288,17 @@ async def open_batch_rows(
             await session.close()
             return None
         # Counted by the database: one row per group and status, not one per episode.
-        rows = await connection.execute(
-            select(Episode.group_index, Episode.status, func.count().label("episodes"))
+        rows: Result[Any] = await connection.execute(
+            select(
+                Episode.group_index,
+                Episode.status,
+                func.count().label("episodes"),
+                func.count(Episode.reward).label("rewards"),
+                func.sum(Episode.reward).label("total"),
+                func.sum(Episode.reward * Episode.reward).label("squares"),
+                func.min(Episode.reward).label("low"),
+                func.max(Episode.reward).label("high"),
+            )
             .where(Episode.batch_id == batch_id)
             .group_by(Episode.group_index, Episode.status)
         )
@@ -214,11 +308,15 @@ async def open_batch_rows(
     counts = {status.value: 0 for status in EpisodeStatus}
     sizes: Counter[int] = Counter()
     unfinished: set[int] = set()
-    for group, status, episodes in rows:
-        counts[status] += episodes
-        sizes[group] += episodes
-        if status not in FINISHED_STATUSES:
-            unfinished.add(group)
+    rewards: dict[int, list[Row[Any]]] = {}
+    for row in rows:
+        counts[row.status] += row.episodes
+        sizes[row.group_index] += row.episodes
+        if row.status not in FINISHED_STATUSES:
+            unfinished.add(row.group_index)
+        if row.rewards:
+            rewards.setdefault(row.group_index, []).append(row)
+    complete = [group for group in sorted(sizes) if group not in unfinished]
     head = BatchHead(
         batch_id=batch.id,
         env=batch.env,
@@ -227,6 +325,7 @@ async def open_batch_rows(
         created_at=batch.created_at,
         counts=counts,
         groups_total=len(sizes),
-        complete_groups={group: sizes[group] for group in sorted(sizes) if group not in unfinished},
+        complete_groups={group: sizes[group] for group in complete},
+        group_stats={group: _reward_stats(rewards.get(group, [])) for group in complete},
     )
     return BatchRows(session, connection, head, chunk_bytes)

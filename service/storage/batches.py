@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer
 
 from service.records import FINISHED_STATUSES, EpisodeRequest, EpisodeStatus
+from service.storage import groups
 from service.storage.db import Database, utcnow
 from service.storage.models import TOKEN_COLUMNS, Batch, Episode
 
@@ -102,6 +103,14 @@ async def enqueue_batch(session: AsyncSession, new: NewBatch, *, now: datetime |
                 for episode in new.episodes
             ],
         )
+    tasks: dict[int, tuple[int, int]] = {}  # group index -> (task index, size)
+    for episode in new.episodes:
+        task, size = tasks.get(episode.group_index, (episode.request.task_index, 0))
+        tasks[episode.group_index] = (task, size + 1)
+    await groups.insert_groups(
+        session,
+        groups.group_rows(new.batch_id, new.env, [(group, *tasks[group]) for group in sorted(tasks)], now),
+    )
     return batch
 
 

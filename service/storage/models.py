@@ -105,6 +105,8 @@ class Episode(Base):
         ),
         Index("ix_episodes_status_created_at", "status", "created_at"),
         Index("ix_episodes_status_lease_expires_at", "status", "lease_expires_at"),
+        # A group's episodes: whether it is complete, its rewards (storage/groups.py).
+        Index("ix_episodes_batch_id_group_index", "batch_id", "group_index"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -161,6 +163,31 @@ class Episode(Base):
             loss_mask=blobs.decode_mask(self.loss_mask or b""),
             rollout_logprobs=blobs.decode_logprobs(self.rollout_logprobs or b""),
         )
+
+
+class Group(Base):
+    """One GRPO group of a batch (its samples of one task), inserted with the batch. Once every one
+    of its episodes has a final status it is logged complete: `seq` places it in the stream of
+    complete groups (GET /groups), in the order they completed, and its reward statistics are
+    stored with it. Complete groups never change again."""
+
+    __tablename__ = "groups"
+
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    group_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    env: Mapped[str] = mapped_column(String(128))
+    task_index: Mapped[int] = mapped_column(Integer)
+    size: Mapped[int] = mapped_column(Integer)  # its episodes
+    created_at: Mapped[datetime]
+    # Its place in the stream of complete groups: 1, 2, 3... in commit order (NULL: not complete).
+    seq: Mapped[int | None] = mapped_column(Integer, unique=True)
+    completed_at: Mapped[datetime | None]
+    # Over its episodes that have a reward (None: none has); std is the population's (ddof 0).
+    reward_count: Mapped[int | None] = mapped_column(Integer)
+    reward_mean: Mapped[float | None] = mapped_column(Float)
+    reward_std: Mapped[float | None] = mapped_column(Float)
+    reward_min: Mapped[float | None] = mapped_column(Float)
+    reward_max: Mapped[float | None] = mapped_column(Float)
 
 
 # The columns that hold an EpisodeRequest, named as its fields.

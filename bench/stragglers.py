@@ -102,11 +102,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--latency", type=float, default=0.1, help="the simulated engine's seconds per call")
     parser.add_argument(
-        "--deadline", type=float, default=None, help="episode_timeout_seconds (default: 30 calls' latency)"
+        "--deadline", type=float, default=None, help="episode_timeout_seconds (default: 60 calls' latency)"
     )
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     args = parser.parse_args(argv)
-    deadline = args.deadline if args.deadline is not None else 30 * args.latency
+    deadline = args.deadline if args.deadline is not None else 60 * args.latency
     wanted = sorted({max(1, args.groups // 2), max(1, args.groups * 9 // 10), args.groups})
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:

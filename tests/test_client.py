@@ -102,6 +102,34 @@ async def test_sync_client_submits_waits_and_pulls_exact_arrays(client: httpx.As
     await assert_batch_is_what_was_stored(client, await asyncio.to_thread(run))
 
 
+async def test_clients_follow_the_stream_of_complete_groups(client: httpx.AsyncClient) -> None:
+    def follow() -> list[tuple[str, int]]:
+        with RolloutClient(str(client.base_url)) as rollouts:
+            rollouts.submit("builtin/shop", list(range(TASKS)), samples_per_task=SAMPLES, batch_id="stream")
+            seen: list[tuple[str, int]] = []
+            cursor = 0
+            while len(seen) < TASKS:
+                page = rollouts.groups(cursor, limit=2, wait=30, batch_id="stream")
+                assert page.next > cursor and page.filtered == 0
+                for key, episodes in page.groups().items():
+                    assert [e.sample_index for e in episodes] == list(range(SAMPLES))
+                    assert all(e.status not in ("queued", "running") for e in episodes)
+                    seen.append(key)
+                cursor = page.next
+            return seen
+
+    seen = await asyncio.to_thread(follow)
+    assert sorted(seen) == [("stream", group) for group in range(TASKS)]
+    async with AsyncRolloutClient(str(client.base_url)) as rollouts:
+        everything = await rollouts.groups(0, limit=100)
+        stored = (await client.get("/batches/stream")).json()
+        assert len(everything.batch) == TASKS * SAMPLES
+        assert everything.filtered == 0 and everything.next == TASKS
+        kept = await rollouts.groups(0, limit=100, min_reward_std=0)
+        assert kept.filtered == stored["groups_filtered"]
+        assert len(kept.groups()) == TASKS - stored["groups_filtered"]
+
+
 class LoseFirstAnswer(httpx.AsyncBaseTransport):
     """Forwards every request; the first POST /episodes reaches the service, but its answer is lost
     (as when a connection drops or a proxy times out after the server committed)."""

@@ -13,12 +13,13 @@ slime's hooks: rollout_client.slime.
 from rollout_client.batch import Batch, EpisodeArrays
 from rollout_client.client import AsyncRolloutClient, RolloutClient
 from rollout_client.errors import RequestError, RolloutError, ServiceUnavailable, WaitTimeout
-from rollout_client.plans import Submission
+from rollout_client.plans import GroupsPage, Submission
 
 __all__ = [
     "AsyncRolloutClient",
     "Batch",
     "EpisodeArrays",
+    "GroupsPage",
     "RequestError",
     "RolloutClient",
     "RolloutError",

@@ -18,7 +18,7 @@ from typing import Any, TypedDict, TypeVar
 
 import httpx
 
-from rollout_client.batch import Batch, read_table
+from rollout_client.batch import Batch, EpisodeArrays, read_table
 from rollout_client.errors import RequestError, ServiceUnavailable, WaitTimeout
 
 T = TypeVar("T")
@@ -220,6 +220,38 @@ def _whole_arrow_stream(response: httpx.Response) -> bool:
 def batch(retries: Retries, batch_id: str, timeout: float) -> Plan[Batch]:
     table = yield from batch_table(retries, batch_id, timeout)
     return Batch(table)
+
+
+@dataclass(frozen=True)
+class GroupsPage:
+    """A page of GET /groups: its complete groups' episodes (group by group, in the order they
+    completed), the cursor for the next page, and how many groups `min_reward_std` skipped."""
+
+    batch: Batch
+    next: int
+    filtered: int
+
+    def groups(self) -> dict[tuple[str, int], list[EpisodeArrays]]:
+        """Episodes by (batch id, group index), in the order the groups completed, by sample."""
+        groups: dict[tuple[str, int], list[EpisodeArrays]] = {}
+        for episode in self.batch:
+            groups.setdefault((episode.batch_id, episode.group_index), []).append(episode)
+        return groups
+
+
+def groups(
+    retries: Retries, after: int, limit: int, wait: float, timeout: float, filters: dict[str, Any]
+) -> Plan[GroupsPage]:
+    params = {"after": after, "limit": limit, **{k: v for k, v in filters.items() if v is not None}}
+    if wait:
+        params["wait"] = wait
+    call = Call("GET", "/groups", params=params, headers={"Accept": ARROW_STREAM}, timeout=wait + timeout)
+    response = yield from request(call, retries, complete=_whole_arrow_stream)
+    return GroupsPage(
+        Batch(read_table(response.content)),
+        int(response.headers["Rollout-Next-Cursor"]),
+        int(response.headers["Rollout-Groups-Filtered"]),
+    )
 
 
 def episode(retries: Retries, episode_id: str, wait: float, timeout: float) -> Plan[dict[str, Any]]:

@@ -1,5 +1,6 @@
 # Quickstart: `make demo` (set up, run one batch on the embedded default) and `make test`.
-PYTHON ?= python3
+# 3.12 or newer where the machine has one (tau2-bench needs it), else python3.
+PYTHON ?= $(shell scripts/find_python.sh)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp

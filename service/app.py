@@ -68,6 +68,9 @@ def user_sim_config(settings: Settings) -> UserSimConfig:
         api_key=settings.user_sim_api_key.get_secret_value(),
         temperature=settings.user_sim_temperature,
         seed=settings.user_sim_seed,
+        judge_base_url=settings.judge_base_url,
+        judge_model=settings.judge_model,
+        judge_api_key=settings.judge_api_key.get_secret_value(),
     )
 
 

@@ -167,7 +167,7 @@ class Settings(BaseSettings):
     max_episodes_per_request: int = Field(default=10_000, ge=1, description="Episodes one POST may create.")
     max_long_poll_seconds: float = Field(default=300.0, ge=0, description="Upper bound of ?wait=.")
 
-    # The user simulator of LLM-driven environments (tau-bench).
+    # The user simulator of LLM-driven environments (tau-bench, tau2).
     user_sim_base_url: str = Field(
         default="", description="OpenAI-compatible base URL, e.g. http://h:30000/v1."
     )
@@ -177,6 +177,14 @@ class Settings(BaseSettings):
     )
     user_sim_temperature: float = Field(default=0.0, ge=0, description="Temperature of every user turn.")
     user_sim_seed: int | None = Field(default=None, description="Seed sent with every user-simulator call.")
+    # The LLM judge of rewards that need one (tau2's NL_ASSERTION: 40 of retail's 114 tasks).
+    judge_base_url: str = Field(
+        default="",
+        description="OpenAI-compatible base URL of the reward's LLM judge; empty: tasks that need one "
+        "are refused at submit (422).",
+    )
+    judge_model: str = Field(default="", description="Model name sent to the judge.")
+    judge_api_key: SecretStr = Field(default=SecretStr(""), description="Bearer key of the judge endpoint.")
 
     tune_gc: bool = Field(
         default=True,

@@ -501,7 +501,7 @@ def test_hadolint_has_no_findings(tmp_path: Path) -> None:
 
 def test_dockerfile_is_multi_stage_slim_and_python_only() -> None:
     all_ins = instructions()
-    assert all_ins[0].keyword == "ARG" and all_ins[0].args == "PYTHON_IMAGE=python:3.11-slim"
+    assert all_ins[0].keyword == "ARG" and all_ins[0].args == "PYTHON_IMAGE=python:3.12-slim"
     froms = [ins.args for ins in all_ins if ins.keyword == "FROM"]
     assert froms == ["${PYTHON_IMAGE} AS builder", "${PYTHON_IMAGE} AS runtime"]
     assert "torch" not in " ".join(ins.args for ins in all_ins if ins.keyword != "FROM").lower()

@@ -14,6 +14,12 @@ router = APIRouter(tags=["envs"])
 async def list_envs(services: ServicesDep) -> list[EnvOut]:
     """Environment names for POST /episodes, with their splits and task counts."""
     return [
-        EnvOut(name=spec.name, description=spec.description, splits=dict(spec.splits))
+        EnvOut(
+            name=spec.name,
+            description=spec.description,
+            splits=dict(spec.splits),
+            unavailable=dict(spec.unavailable),
+            judged_tasks={split: len(tasks) for split, tasks in spec.judged_tasks.items() if tasks},
+        )
         for spec in services.envs.values()
     ]

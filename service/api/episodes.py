@@ -54,16 +54,29 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> None:
         raise InvalidRequest.field(
             ["env"], f"unknown environment {body.env!r}; known: {sorted(services.envs)}"
         )
+    if "*" in spec.unavailable:  # no split can run: it says why
+        raise InvalidRequest.field(["env"], f"{body.env} cannot run here: {spec.unavailable['*']}")
     if body.task_split not in spec.splits:
         raise InvalidRequest.field(
             ["task_split"], f"{body.env} has no split {body.task_split!r}; known: {sorted(spec.splits)}"
         )
+    if (why := spec.unavailable.get(body.task_split)) is not None:
+        raise InvalidRequest.field(["task_split"], f"{body.env} {body.task_split} cannot run here: {why}")
     size = spec.splits[body.task_split]
+    judged = (
+        spec.judged_tasks.get(body.task_split, frozenset()) if not services.settings.judge_base_url else ()
+    )
     for position, index in enumerate(body.task_indices):
         if not 0 <= index < size:
             raise InvalidRequest.field(
                 ["task_indices", position],
                 f"task index {index} out of range: {body.env} {body.task_split} has tasks 0..{size - 1}",
+            )
+        if index in judged:
+            raise InvalidRequest.field(
+                ["task_indices", position],
+                f"task {index} of {body.env} {body.task_split} is graded by an LLM judge (its reward "
+                "basis has NL_ASSERTION) and this service has none: set JUDGE_BASE_URL and JUDGE_MODEL",
             )
     total = len(body.task_indices) * body.samples_per_task
     if total > services.settings.max_episodes_per_request:

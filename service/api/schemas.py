@@ -299,6 +299,16 @@ class EnvOut(BaseModel):
     name: str
     description: str
     splits: dict[str, int] = Field(description="Split name -> number of tasks.")
+    unavailable: dict[str, str] = Field(
+        default_factory=dict,
+        description="Splits that cannot run on this install, and why (the data file it lacks); "
+        "submitting them is a 422 saying so.",
+    )
+    judged_tasks: dict[str, int] = Field(
+        default_factory=dict,
+        description="Per split, how many tasks need an LLM judge for their reward (tau2's NL_ASSERTION): "
+        "refused at submit unless JUDGE_BASE_URL is set.",
+    )
 
 
 class HealthOut(BaseModel):

@@ -21,6 +21,10 @@ class Action:
 class Reset:
     observation: str
     info: dict[str, Any] = field(default_factory=dict)
+    # What happened in the environment's own turn that the policy does not see (a simulated user's
+    # tool calls and their results, marked `"env_only": True`): the episode's transcript shows it
+    # before the observation; the prompt never holds it.
+    transcript: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -29,6 +33,7 @@ class Step:
     reward: float
     done: bool
     info: dict[str, Any] = field(default_factory=dict)
+    transcript: list[dict[str, Any]] = field(default_factory=list)  # as Reset's
 
 
 class Environment(Protocol):
@@ -49,13 +54,17 @@ class Environment(Protocol):
 
 @dataclass(frozen=True)
 class UserSimConfig:
-    """Where LLM-driven user simulators (tau-bench) send their turns: an OpenAI-compatible API."""
+    """Where LLM-driven user simulators (tau-bench, tau2) send their turns, and where an LLM judge
+    of the reward (tau2's NL_ASSERTION) is asked: OpenAI-compatible APIs."""
 
     base_url: str = ""
     model: str = ""
     api_key: str = ""
     temperature: float = 0.0
     seed: int | None = None
+    judge_base_url: str = ""  # empty: no judge; tasks that need one are refused at submit
+    judge_model: str = ""
+    judge_api_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -68,3 +77,7 @@ class EnvSpec:
     # Builds a fresh Environment for one episode of the given split; runs in the env worker.
     # Must be picklable (a module-level function) and cheap: no LLM call at construction.
     factory: Callable[[str, UserSimConfig], Environment]
+    # Splits that cannot run here, and why (a data file the install lacks): submits get a 422 saying so.
+    unavailable: dict[str, str] = field(default_factory=dict)
+    # Per split, the tasks whose reward needs an LLM judge: refused at submit when none is configured.
+    judged_tasks: dict[str, frozenset[int]] = field(default_factory=dict)

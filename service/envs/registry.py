@@ -1,11 +1,20 @@
-"""The environments this service can run: the built-in ones, plus tau-bench's when it is installed."""
+"""The environments this service can run: the built-in ones, plus tau-bench's and tau2-bench's when
+they are installed."""
 
 from __future__ import annotations
 
 import importlib.util
 
+from service.envs import tau2, tau2_data
 from service.envs.base import EnvSpec
 from service.envs.tau import airline_env, retail_env
+
+TAU2_FACTORIES = {
+    "retail": tau2.retail_env,
+    "airline": tau2.airline_env,
+    "telecom": tau2.telecom_env,
+    "mock": tau2.mock_env,
+}
 
 # Task counts per split, from tau-bench 0.1.0 (HEAD 59a200c): listing them must not import
 # tau_bench (it imports litellm, ~3 s). The adapter checks indexes against the real task lists.
@@ -27,6 +36,38 @@ TAU_BENCH_ENVS = (
 )
 
 
+TAU2_DESCRIPTIONS = {
+    "retail": "tau2-bench retail: orders, returns, exchanges; tau2's user simulator (USER_SIM_*); "
+    "its NL_ASSERTION tasks need an LLM judge (JUDGE_*).",
+    "airline": "tau2-bench airline: reservations, changes, baggage; tau2's user simulator (USER_SIM_*).",
+    "telecom": "tau2-bench telecom, dual control: the simulated user (USER_SIM_*) has tools of its own "
+    "on its phone; rewarded on the final state (ENV_ASSERTION).",
+    "mock": "tau2-bench's mock domain (tasks and users), for tests.",
+}
+
+
+def tau2_envs() -> list[EnvSpec]:
+    """tau2-bench's domains as its data folder holds them (read at start: no tau2 import): every
+    split listed with its size, those that lack a data file in `unavailable`."""
+    root = tau2_data.data_dir()
+    if root is None:
+        return []
+    specs = []
+    for domain in tau2_data.TAU2_DOMAINS:
+        data = tau2_data.read_domain(root, domain)
+        specs.append(
+            EnvSpec(
+                name=f"tau2/{domain}",
+                splits={split: len(ids) for split, ids in data.splits.items()},
+                description=TAU2_DESCRIPTIONS[domain],
+                factory=TAU2_FACTORIES[domain],
+                unavailable=data.unavailable,
+                judged_tasks=data.judged,
+            )
+        )
+    return specs
+
+
 def tau_bench_installed() -> bool:
     return importlib.util.find_spec("tau_bench") is not None
 
@@ -42,8 +83,11 @@ def builtin_envs() -> list[EnvSpec]:
 
 
 def available_envs() -> dict[str, EnvSpec]:
-    """Every environment by name: the built-in ones always, tau-bench's if `tau_bench` is importable."""
+    """Every environment by name: the built-in ones always, tau-bench's if `tau_bench` is importable,
+    tau2-bench's if its `tau2` is."""
     specs = builtin_envs()
     if tau_bench_installed():
         specs.extend(TAU_BENCH_ENVS)
+    if tau2_data.tau2_installed():
+        specs.extend(tau2_envs())
     return {spec.name: spec for spec in specs}

@@ -128,6 +128,7 @@ class EpisodeRunner:
         episode.info = dict(reset.info)
         episode.messages = [
             {"role": "system", "content": session.system_prompt},
+            *reset.transcript,  # the env's own turn before the first observation: never prompted
             {"role": "user", "content": reset.observation},
         ]
         episode.trajectory = Trajectory(
@@ -249,6 +250,7 @@ class EpisodeRunner:
             message = {"role": "user", "content": step.observation}
         else:
             message = {"role": "tool", "name": action.name, "content": step.observation}
+        episode.messages.extend(step.transcript)  # the env's own turn: shown, never prompted
         episode.messages.append(message)
         trajectory.add_context(self.chat.message_ids(message))
         episode.reward = step.reward

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,9 @@ class SimConfig:
     stream_interval: int = 8  # output tokens per SSE chunk
     seed: int = 0  # mixed into every random choice
     request_log_limit: int = 100_000  # oldest entries of SimWorker.requests are dropped beyond this
+    # Another policy than builtin/shop's oracle: (prompt text, "<episode_id>:<attempt>") -> the
+    # assistant's next text. The sampling (non-canonical tokens, logprobs, stops) stays the sim's.
+    policy: Callable[[str, str], str] | None = None
 
 
 def parse_chatml(text: str) -> list[tuple[str, str, bool]]:
@@ -192,7 +196,11 @@ def plan_output(
     start = open_turn_start(tokens, prompt_ids)
     context = prompt_ids if start is None else prompt_ids[:start]
     sampled = [] if start is None else prompt_ids[start:]
-    text, ramble = policy_reply(tokens.decode(context, skip_special_tokens=False), key, config)
+    prompt_text = tokens.decode(context, skip_special_tokens=False)
+    if config.policy is not None:
+        text, ramble = config.policy(prompt_text, key), False
+    else:
+        text, ramble = policy_reply(prompt_text, key, config)
     max_new_tokens = int(sampling_params.get("max_new_tokens", 128))
     rng = random.Random(f"{config.seed}:{key}:{len(context)}:sample")
     ids = tokens.sample(text, rng, config.noncanonical_rate)

@@ -16,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-# messages of the request -> the simulated user's next line
-Script = Callable[[list[dict[str, Any]]], str]
+# messages of the request -> the simulated user's next line, or its whole message (content, tool_calls)
+Script = Callable[[list[dict[str, Any]]], str | dict[str, Any]]
 
 
 @dataclass
@@ -32,7 +32,12 @@ def _app(script: Script, server: StubServer) -> Starlette:
         body = await request.json()
         server.requests.append(body)
         server.headers.append(dict(request.headers))
-        content = script(body["messages"])
+        reply = script(body["messages"])
+        message = (
+            {"role": "assistant", "content": reply}
+            if isinstance(reply, str)
+            else {"role": "assistant", **reply}
+        )
         return JSONResponse(
             {
                 "id": f"chatcmpl-{len(server.requests)}",
@@ -41,8 +46,8 @@ def _app(script: Script, server: StubServer) -> Starlette:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": content},
-                        "finish_reason": "stop",
+                        "message": message,
+                        "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
                     }
                 ],
                 "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},

@@ -17,7 +17,17 @@ import pyarrow as pa
 
 from rollout_client import plans
 from rollout_client.batch import Batch
-from rollout_client.plans import Call, GroupsPage, Outcome, Pause, Plan, Retries, Submission, SubmitFields
+from rollout_client.plans import (
+    Call,
+    GroupFilters,
+    GroupsPage,
+    Outcome,
+    Pause,
+    Plan,
+    Retries,
+    Submission,
+    SubmitFields,
+)
 
 T = TypeVar("T")
 
@@ -94,7 +104,7 @@ class _Api:
     def batch_table(self, batch_id: str) -> Plan[pa.Table]:
         return plans.batch_table(self.retries, batch_id, self.timeout)
 
-    def groups(self, after: int, limit: int, wait: float, filters: dict[str, Any]) -> Plan[GroupsPage]:
+    def groups(self, after: int, limit: int, wait: float, filters: GroupFilters) -> Plan[GroupsPage]:
         return plans.groups(self.retries, after, limit, wait, self.timeout, filters)
 
     def episode(self, episode_id: str, wait: float) -> Plan[dict[str, Any]]:
@@ -160,19 +170,12 @@ class RolloutClient:
         return self._run(self._api.batch_table(batch_id))
 
     def groups(
-        self,
-        after: int = 0,
-        limit: int = 100,
-        wait: float = 0,
-        *,
-        batch_id: str | None = None,
-        env: str | None = None,
-        min_reward_std: float | None = None,
+        self, after: int = 0, limit: int = 100, wait: float = 0, **filters: Unpack[GroupFilters]
     ) -> GroupsPage:
         """GET /groups: complete groups past the cursor `after`, in the order they completed, as
-        Arrow; `page.next` is the cursor for the next call. `wait` long-polls for a group;
-        `min_reward_std=0` skips groups whose rewards are all equal (counted in `page.filtered`)."""
-        filters = {"batch_id": batch_id, "env": env, "min_reward_std": min_reward_std}
+        Arrow; `page.next` is the cursor for the next call. `wait` long-polls for a group; the
+        filters `batch_id`, `env`, `min_reward_std` (0 skips groups whose rewards are all equal,
+        counted in `page.filtered`) are keywords."""
         return self._run(self._api.groups(after, limit, wait, filters))
 
     def episode(self, episode_id: str, wait: float = 0) -> dict[str, Any]:
@@ -242,16 +245,8 @@ class AsyncRolloutClient:
         return await self._run(self._api.batch(batch_id))
 
     async def groups(
-        self,
-        after: int = 0,
-        limit: int = 100,
-        wait: float = 0,
-        *,
-        batch_id: str | None = None,
-        env: str | None = None,
-        min_reward_std: float | None = None,
+        self, after: int = 0, limit: int = 100, wait: float = 0, **filters: Unpack[GroupFilters]
     ) -> GroupsPage:
-        filters = {"batch_id": batch_id, "env": env, "min_reward_std": min_reward_std}
         return await self._run(self._api.groups(after, limit, wait, filters))
 
     async def batch_table(self, batch_id: str) -> pa.Table:

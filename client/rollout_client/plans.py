@@ -222,6 +222,14 @@ def batch(retries: Retries, batch_id: str, timeout: float) -> Plan[Batch]:
     return Batch(table)
 
 
+class GroupFilters(TypedDict, total=False):
+    """GET /groups' filters; one left out (or None) filters nothing."""
+
+    batch_id: str | None
+    env: str | None
+    min_reward_std: float | None
+
+
 @dataclass(frozen=True)
 class GroupsPage:
     """A page of GET /groups: its complete groups' episodes (group by group, in the order they
@@ -240,9 +248,10 @@ class GroupsPage:
 
 
 def groups(
-    retries: Retries, after: int, limit: int, wait: float, timeout: float, filters: dict[str, Any]
+    retries: Retries, after: int, limit: int, wait: float, timeout: float, filters: GroupFilters
 ) -> Plan[GroupsPage]:
-    params = {"after": after, "limit": limit, **{k: v for k, v in filters.items() if v is not None}}
+    params: dict[str, Any] = {"after": after, "limit": limit}
+    params.update((name, value) for name, value in filters.items() if value is not None)
     if wait:
         params["wait"] = wait
     call = Call("GET", "/groups", params=params, headers={"Accept": ARROW_STREAM}, timeout=wait + timeout)

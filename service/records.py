@@ -103,6 +103,7 @@ class TurnRecord:
     action: str | None = None  # the tool called, "respond", or None when the turn ended the episode
     has_logprobs: bool = True  # False: SGLang sent no logprobs; this turn's are placeholders (0.0)
     resume: int = 0  # 0: the turn's first generate call; n: its n-th resume after an engine abort
+    actions: list[str] | None = None  # a turn of parallel calls: the tools called, in order
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

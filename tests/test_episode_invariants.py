@@ -12,7 +12,7 @@ import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import cycle, islice
+from itertools import cycle, islice, takewhile
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from service.api.presenters import token_version_codes
 from service.engine.client import Generation
 from service.envs.base import Action, Reset, Step
 from service.loop.runner import EpisodeRunner
-from service.loop.toolcalls import get_parser
+from service.loop.toolcalls import ToolCallParseError, get_parser
 from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
 from tests.support.contract import GenerateCall, assert_trainer_contract
 from tests.support.tokenizer import CHAT_VARIANTS, ChatVariant, chat_tokenizer, chat_variant, noncanonical_ids
@@ -47,6 +47,7 @@ class PlannedTurn:
     # Engine aborts (a weight update) cutting the turn's calls short, each after `cuts[i]` more of
     # its tokens; past MAX_TURN_RESUMES the episode fails.
     cuts: list[int] = field(default_factory=list)
+    calls: int = 1  # tool calls in a `tool` turn: parallel calls when more than one
 
 
 @st.composite
@@ -58,7 +59,8 @@ def planned_turns(draw: st.DrawFn) -> PlannedTurn:
         )
     )
     cuts = draw(st.lists(st.integers(0, 12), max_size=MAX_TURN_RESUMES + 1))
-    return PlannedTurn(kind, draw(text), finish, draw(text), draw(st.integers(0, 2**32)), cuts)
+    calls = draw(st.integers(1, 3))
+    return PlannedTurn(kind, draw(text), finish, draw(text), draw(st.integers(0, 2**32)), cuts, calls)
 
 
 @dataclass
@@ -73,8 +75,11 @@ class RecordingEngine:
 
     def planned_output(self, plan: PlannedTurn) -> tuple[list[int], list[float], dict[str, Any]]:
         if plan.kind == "tool":
-            call = json.dumps({"name": "lookup", "arguments": {"q": plan.body[:20]}})
-            reply = f"{plan.body}<tool_call>\n{call}\n</tool_call>"
+            calls = [
+                json.dumps({"name": "lookup", "arguments": {"q": f"{n}:{plan.body[:20]}"}})
+                for n in range(plan.calls)
+            ]
+            reply = plan.body + "\n".join(f"<tool_call>\n{call}\n</tool_call>" for call in calls)
         elif plan.kind == "malformed":
             reply = f"<tool_call>\n{{not json {plan.body}\n</tool_call>"
         else:
@@ -151,9 +156,10 @@ class ScriptedSession:
 
     async def step(self, action: Action) -> Step:
         self.steps.append(action)
-        index = len(self.steps) - 1
+        index = len(self.steps) - 1  # steps, not turns: a turn of parallel calls takes several
         done = index == self.done_at
-        return Step(self.turns[index].observation, 1.0 if done else 0.0, done, {"step": index})
+        observation = f"{self.turns[index % len(self.turns)].observation} #{index}"
+        return Step(observation, 1.0 if done else 0.0, done, {"step": index})
 
     async def close(self) -> None:
         pass
@@ -211,6 +217,19 @@ def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
     expected = [f"v{index}" for index, (_, g) in enumerate(engine.calls) for _ in g.output_ids]
     assert [versions[code] for code in codes if code >= 0] == expected
     assert all(code == -1 for code, m in zip(codes, result.loss_mask, strict=True) if not m)
+    # Every call of a turn is run, in order, and answered by its own tool message (the last turn's
+    # calls after the one that ended the episode excepted).
+    for index, message in enumerate(result.messages):
+        if message["role"] != "assistant" or index + 1 == len(result.messages):
+            continue
+        try:
+            calls = get_parser("qwen25")(message["content"]).calls
+        except ToolCallParseError:
+            continue
+        answers = list(takewhile(lambda m: m["role"] == "tool", result.messages[index + 1 :]))
+        assert [a["name"] for a in answers] == ["lookup"] * len(answers)
+        last_turn = index + 1 + len(answers) == len(result.messages)
+        assert len(answers) == calls or (last_turn and result.status is EpisodeStatus.COMPLETED)
     # 4. P + R is the transcript as the model is fed it: one full render of the messages, and the
     # tokens of every turn boundary are present (header after each env message, close after each turn).
     chat = engine.variant.chat

@@ -80,7 +80,7 @@ def test_a_learned_message_text_gives_the_ids_of_a_full_render(variant: str) -> 
         {"role": "tool", "name": "get_order", "content": ""},
     ]
     for message in messages:
-        assert chat.message_ids(message) == chat.encode(chat._message_text(message))
+        assert chat.message_ids(message) == chat.encode(chat._message_text([message]))
     assert chat._message_texts[("user", None)] is not None  # learned, then reused
 
 

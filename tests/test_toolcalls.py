@@ -16,16 +16,16 @@ def call(name: str, arguments: object, key: str = "arguments") -> str:
 
 def test_plain_text_is_a_respond_action() -> None:
     turn = parse_qwen25("Your order is on its way.")
-    assert turn.action == Action(RESPOND_ACTION_NAME, {"content": "Your order is on its way."})
-    assert turn.calls_found == 0
+    assert turn.actions == [Action(RESPOND_ACTION_NAME, {"content": "Your order is on its way."})]
+    assert turn.calls == 0
 
 
-def test_first_call_only_with_content_before_it() -> None:
+def test_every_call_in_order_with_content_before_them() -> None:
     text = "Let me check.\n" + call("get_order", {"id": "#W1"}) + "\n" + call("cancel", {"id": "#W1"})
     turn = parse_qwen25(text)
-    assert turn.action == Action("get_order", {"id": "#W1"})
+    assert turn.actions == [Action("get_order", {"id": "#W1"}), Action("cancel", {"id": "#W1"})]
     assert turn.content == "Let me check."
-    assert turn.calls_found == 2
+    assert turn.calls == 2
 
 
 def test_parameters_and_string_arguments_are_accepted() -> None:
@@ -33,9 +33,14 @@ def test_parameters_and_string_arguments_are_accepted() -> None:
     assert parse_qwen25(call("f", json.dumps({"a": 1}))).action == Action("f", {"a": 1})
 
 
-def test_malformed_block_is_skipped_like_sglang() -> None:
-    text = "<tool_call>\n{broken\n</tool_call>\n" + call("g", {})
-    assert parse_qwen25(text).action == Action("g", {})
+@pytest.mark.parametrize("broken_first", [True, False])
+def test_a_malformed_call_among_good_ones_ends_the_turn(broken_first: bool) -> None:
+    """SGLang skips it; run, the other calls would be answered and this one never: the episode is
+    aborted instead, as a turn whose only call is malformed is."""
+    broken = "<tool_call>\n{broken\n</tool_call>"
+    text = f"{broken}\n{call('g', {})}" if broken_first else f"{call('g', {})}\n{broken}"
+    with pytest.raises(ToolCallParseError):
+        parse_qwen25(text)
 
 
 @pytest.mark.parametrize(
@@ -75,7 +80,7 @@ def test_any_arguments_round_trip(prefix: str, arguments: dict[str, object]) -> 
 def test_a_closing_tag_inside_the_arguments_is_text() -> None:
     arguments = {"</tool_call>": "<tool_call>\n", "note": "a\n</tool_call>"}
     turn = parse_qwen25(call("tool", arguments) + call("second", {}))
-    assert turn.action == Action("tool", arguments) and turn.calls_found == 2
+    assert turn.actions == [Action("tool", arguments), Action("second", {})]
 
 
 def test_reasoning_is_not_part_of_the_action() -> None:
@@ -102,5 +107,5 @@ def test_a_call_no_database_could_store_is_no_call(block: str) -> None:
     with pytest.raises(ToolCallParseError):
         parse_qwen25(f"<tool_call>\n{block}\n</tool_call>")
     good = call("get_order", {"id": "#W1"})
-    turn = parse_qwen25(f"<tool_call>\n{block}\n</tool_call>\n{good}")
-    assert turn.action == Action("get_order", {"id": "#W1"}) and turn.calls_found == 1
+    with pytest.raises(ToolCallParseError):
+        parse_qwen25(f"{good}\n<tool_call>\n{block}\n</tool_call>")

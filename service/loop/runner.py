@@ -237,25 +237,34 @@ class EpisodeRunner:
             episode.note = f"turn {turn} hit max_new_tokens={max_new_tokens}"
             return EpisodeStatus.TRUNCATED
         try:
-            action = self.parser(strip_reasoning(content)).action
+            parsed = self.parser(strip_reasoning(content))
         except ToolCallParseError as error:
             episode.note = f"unparseable tool call: {error}"
             return EpisodeStatus.ABORTED
 
+        # Every call of the turn, in order, each answered by its own tool message (parallel calls).
         started = time.perf_counter()
-        step = await session.step(action)
+        answers: list[dict[str, Any]] = []
+        done = False
+        for action in parsed.actions:
+            step = await session.step(action)
+            episode.messages.extend(step.transcript)  # the env's own turn: shown, never prompted
+            if action.name == RESPOND_ACTION_NAME:
+                answers.append({"role": "user", "content": step.observation})
+            else:
+                answers.append({"role": "tool", "name": action.name, "content": step.observation})
+            episode.reward = step.reward
+            episode.info.update(step.info)
+            if step.done:  # calls after the one that ended the episode are not run
+                done = True
+                break
         record.env_seconds = time.perf_counter() - started
-        record.action = action.name
-        if action.name == RESPOND_ACTION_NAME:
-            message = {"role": "user", "content": step.observation}
-        else:
-            message = {"role": "tool", "name": action.name, "content": step.observation}
-        episode.messages.extend(step.transcript)  # the env's own turn: shown, never prompted
-        episode.messages.append(message)
-        trajectory.add_context(self.chat.message_ids(message))
-        episode.reward = step.reward
-        episode.info.update(step.info)
-        return EpisodeStatus.COMPLETED if step.done else None
+        record.action = parsed.action.name
+        if parsed.calls > 1:
+            record.actions = [action.name for action in parsed.actions[: len(answers)]]
+        episode.messages.extend(answers)
+        trajectory.add_context(self.chat.messages_ids(answers))
+        return EpisodeStatus.COMPLETED if done else None
 
 
 class _Episode:

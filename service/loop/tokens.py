@@ -226,24 +226,32 @@ class ChatTokenizer:
             around = self._message_texts[key]
             if around is not None:
                 return self.encode(around[0] + content + around[1])
-        return self.encode(self._message_text(message))
+        return self.encode(self._message_text([message]))
 
-    def _message_text(self, message: dict[str, Any]) -> str:
-        text = self.render([*PROBE_PREFIX, PROBE_ASSISTANT, message], add_generation_prompt=True)
+    def messages_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Ids of the messages that follow an assistant turn, plus the next header: the results of
+        a turn's parallel tool calls are rendered together, as the template lays out several (Qwen
+        puts them in one user turn, Llama gives each its own), never as separate renders."""
+        if len(messages) == 1:
+            return self.message_ids(messages[0])
+        return self.encode(self._message_text(messages))
+
+    def _message_text(self, messages: list[dict[str, Any]]) -> str:
+        text = self.render([*PROBE_PREFIX, PROBE_ASSISTANT, *messages], add_generation_prompt=True)
         after_assistant = self._after_content(text)
         if not after_assistant.startswith(self.close_text):
             raise ChatTemplateError(
-                f"a {message['role']!r} message changes how the assistant turn before it is closed"
+                f"a {messages[0]['role']!r} message changes how the assistant turn before it is closed"
             )
         return after_assistant[len(self.close_text) :]
 
     def _learn_message_text(self, message: dict[str, Any]) -> tuple[str, str] | None:
-        slotted = self._message_text({**message, "content": CONTENT_SLOT})
+        slotted = self._message_text([{**message, "content": CONTENT_SLOT}])
         if slotted.count(CONTENT_SLOT) != 1:
             return None
         before, _, after = slotted.partition(CONTENT_SLOT)
         for content in (*SLOT_CHECKS, message["content"]):
-            if before + content + after != self._message_text({**message, "content": content}):
+            if before + content + after != self._message_text([{**message, "content": content}]):
                 return None
         return before, after
 

@@ -1,4 +1,4 @@
-"""Tool-call parsers: the policy's text -> at most one Action per turn.
+"""Tool-call parsers: the policy's text -> its tool calls, in order, or one `respond` action.
 
 Formats are registered by name (the `TOOL_CALL_FORMAT` setting); the Qwen2.5 / Hermes format is
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, parsed as SGLang's `qwen25` parser
@@ -16,14 +16,23 @@ from service.envs.base import RESPOND_ACTION_NAME, Action
 
 
 class ToolCallParseError(ValueError):
-    """The text tries to call a tool but no call in it can be parsed: the episode is aborted."""
+    """The text tries to call a tool but a call in it cannot be parsed: the episode is aborted
+    (executing only the calls that parse would train on a call that never got its answer)."""
 
 
 @dataclass(frozen=True)
 class ParsedTurn:
-    action: Action
+    actions: list[Action]  # every call of the turn, in order (parallel calls); or one `respond`
     content: str  # the normal text before the first call
-    calls_found: int  # well-formed calls in the text; only the first is acted on
+
+    @property
+    def action(self) -> Action:
+        return self.actions[0]
+
+    @property
+    def calls(self) -> int:
+        """Tool calls in the turn (0 for a `respond`)."""
+        return 0 if self.actions[0].name == RESPOND_ACTION_NAME else len(self.actions)
 
 
 ToolCallParser = Callable[[str], ParsedTurn]
@@ -72,19 +81,24 @@ JSON_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 def parse_qwen25(text: str) -> ParsedTurn:
     start = text.find(QWEN25_OPEN)
     if start < 0:
-        return ParsedTurn(Action(RESPOND_ACTION_NAME, {"content": text}), text, 0)
+        return respond(text)
     content = text[:start].strip()
     actions = []
-    position = text.find(QWEN25_BLOCK_OPEN, start)
+    position = start
     while position >= 0:
-        body = position + len(QWEN25_BLOCK_OPEN)
-        action, end = _qwen25_block(text, body)
-        if action is not None:
-            actions.append(action)
-        position = text.find(QWEN25_BLOCK_OPEN, end)
-    if not actions:
-        raise ToolCallParseError(f"no parseable tool call in {text[start : start + 200]!r}")
-    return ParsedTurn(actions[0], content, len(actions))
+        if not text.startswith(QWEN25_BLOCK_OPEN, position):
+            raise ToolCallParseError(f"a tool call without its newline: {text[position : position + 200]!r}")
+        action, end = _qwen25_block(text, position + len(QWEN25_BLOCK_OPEN))
+        if action is None:
+            raise ToolCallParseError(f"an unparseable tool call: {text[position : position + 200]!r}")
+        actions.append(action)
+        position = text.find(QWEN25_OPEN, end)
+    return ParsedTurn(actions, content)
+
+
+def respond(text: str) -> ParsedTurn:
+    """A turn without tool calls: its text goes to the user."""
+    return ParsedTurn([Action(RESPOND_ACTION_NAME, {"content": text})], text)
 
 
 def _qwen25_block(text: str, body: int) -> tuple[Action | None, int]:

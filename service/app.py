@@ -25,7 +25,7 @@ from service.envs.host import EnvHost
 from service.envs.registry import available_envs
 from service.loop.runner import EpisodeRunner
 from service.loop.tokens import ChatTokenizer, HFTokenizer
-from service.loop.toolcalls import get_parser
+from service.loop.toolcalls import AUTO, format_of_template, get_parser
 from service.metrics import Metrics
 from service.records import EpisodeResult
 from service.storage.db import Database
@@ -36,16 +36,31 @@ from service.worker.worker import EpisodeWorker
 logger = logging.getLogger(__name__)
 
 
-def load_chat_tokenizer(settings: Settings) -> ChatTokenizer:
+def load_tokenizer(settings: Settings) -> HFTokenizer:
     from transformers import AutoTokenizer
 
     # transformers' signatures are wider than the HFTokenizer protocol states; the calls match.
-    tokenizer = cast(HFTokenizer, AutoTokenizer.from_pretrained(settings.tokenizer_path))
+    return cast(HFTokenizer, AutoTokenizer.from_pretrained(settings.tokenizer_path))
+
+
+def load_chat_tokenizer(settings: Settings, tokenizer: HFTokenizer | None = None) -> ChatTokenizer:
     return ChatTokenizer(
-        tokenizer,
+        tokenizer or load_tokenizer(settings),
         tool_instruction=settings.tool_instruction,
         template_tool_instruction=settings.template_tool_instruction,
     )
+
+
+def tool_call_format(settings: Settings, tokenizer: HFTokenizer | None) -> str:
+    """TOOL_CALL_FORMAT, `auto` resolved from the tokenizer's chat template; raises ValueError (the
+    service does not start) for a name no parser has, or a template that shows no known format."""
+    if settings.tool_call_format != AUTO:
+        get_parser(settings.tool_call_format)
+        return settings.tool_call_format
+    template = getattr(tokenizer or load_tokenizer(settings), "chat_template", None) or ""
+    if isinstance(template, dict):  # several named templates
+        template = "\n".join(str(text) for text in template.values())
+    return format_of_template(str(template))
 
 
 # Allocations between young collections (CPython's default: 700). An episode allocates a few
@@ -115,8 +130,11 @@ async def lifespan(
         pause = EnginePause(settings.max_pause_seconds, lambda: engine.control("/continue_generation", {}))
         resources.push_async_callback(pause.aclose)
         worker = None
+        tokenizer = await asyncio.to_thread(load_tokenizer, settings) if settings.run_worker else None
+        call_format = await asyncio.to_thread(tool_call_format, settings, tokenizer)
+        logger.info("tool-call format: %s", call_format)
         if settings.run_worker:
-            chat = await asyncio.to_thread(load_chat_tokenizer, settings)
+            chat = await asyncio.to_thread(load_chat_tokenizer, settings, tokenizer)
             env_host = EnvHost(
                 settings.env_workers,
                 settings.env_executor,
@@ -129,7 +147,7 @@ async def lifespan(
                 engine,
                 env_host,
                 chat,
-                get_parser(settings.tool_call_format),
+                get_parser(call_format),
                 max_turn_resumes=settings.max_turn_resumes,
             )
 
@@ -150,6 +168,7 @@ async def lifespan(
             pause=pause,
             worker=worker,
             group_log=group_log,
+            tool_call_format=call_format,
         )
         if worker is not None:
             worker.start()

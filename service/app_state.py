@@ -187,5 +187,6 @@ class Services:
     pause: EnginePause  # whether a trainer paused generation, and since when
     worker: EpisodeWorker | None  # None when this process only serves the API (RUN_WORKER=false)
     group_log: GroupLog  # logs complete groups in the stream of GET /groups
+    tool_call_format: str  # TOOL_CALL_FORMAT, `auto` resolved
     summaries: GroupSummaries = field(default_factory=GroupSummaries)
     summary_reads: SharedReads[str, bytes | None] = field(default_factory=SharedReads)

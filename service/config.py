@@ -49,7 +49,12 @@ class Settings(BaseSettings):
         description="A Hugging Face tokenizer directory (or hub id, if cached) with a chat template that "
         "renders system, user, assistant and tool messages. Default: the project's small test tokenizer.",
     )
-    tool_call_format: str = Field(default="qwen25", description="Tool-call text format of the policy.")
+    tool_call_format: str = Field(
+        default="auto",
+        description="Tool-call format of the policy, by SGLang's --tool-call-parser names (qwen25, "
+        "qwen3_coder, llama3, mistral, deepseekv3, glm45, kimi_k2, gpt-oss, ...); auto: the one the "
+        "tokenizer's chat template writes.",
+    )
     tool_instruction: str = Field(
         default=ONE_CALL_TOOL_INSTRUCTION,
         description="Replaces TEMPLATE_TOOL_INSTRUCTION in the rendered system prompt; empty keeps it.",

@@ -63,7 +63,7 @@ def test_unclosed_call_at_the_end_is_parsed() -> None:
 
 def test_registry() -> None:
     assert get_parser("qwen25") is parse_qwen25
-    with pytest.raises(ValueError, match="known: \\['qwen25'\\]"):
+    with pytest.raises(ValueError, match=r"known: .*'qwen25'"):
         get_parser("nope")
 
 

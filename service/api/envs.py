@@ -1,11 +1,12 @@
-"""GET /envs: the environments this service can run."""
+"""GET /envs: the environments this service can run; GET /model: the model it expects."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
 from service.api.deps import ServicesDep
-from service.api.schemas import EnvOut
+from service.api.schemas import EnvOut, ModelOut
+from service.loop.toolcalls import PARSERS
 
 router = APIRouter(tags=["envs"])
 
@@ -23,3 +24,13 @@ async def list_envs(services: ServicesDep) -> list[EnvOut]:
         )
         for spec in services.envs.values()
     ]
+
+
+@router.get("/model", operation_id="get_model", response_model=ModelOut)
+async def model(services: ServicesDep) -> ModelOut:
+    """The tokenizer episodes are rendered with and the tool-call format their turns are parsed in."""
+    return ModelOut(
+        tokenizer_path=services.settings.tokenizer_path,
+        tool_call_format=services.tool_call_format,
+        tool_call_formats=sorted(PARSERS),
+    )

@@ -311,6 +311,14 @@ class EnvOut(BaseModel):
     )
 
 
+class ModelOut(BaseModel):
+    tokenizer_path: str = Field(description="TOKENIZER_PATH: the served model's tokenizer and chat template.")
+    tool_call_format: str = Field(
+        description="The tool-call format parsed (TOOL_CALL_FORMAT, auto resolved)."
+    )
+    tool_call_formats: list[str] = Field(description="Every format TOOL_CALL_FORMAT may name.")
+
+
 class HealthOut(BaseModel):
     status: str
     database: str

@@ -237,7 +237,7 @@ class EpisodeRunner:
             episode.note = f"turn {turn} hit max_new_tokens={max_new_tokens}"
             return EpisodeStatus.TRUNCATED
         try:
-            parsed = self.parser(strip_reasoning(content))
+            parsed = self.parser(strip_reasoning(content), session.tools)
         except ToolCallParseError as error:
             episode.note = f"unparseable tool call: {error}"
             return EpisodeStatus.ABORTED

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from service.envs.base import RESPOND_ACTION_NAME, Action
 
@@ -35,13 +36,24 @@ class ParsedTurn:
         return 0 if self.actions[0].name == RESPOND_ACTION_NAME else len(self.actions)
 
 
-ToolCallParser = Callable[[str], ParsedTurn]
+class ToolCallParser(Protocol):
+    """A turn's text (reasoning stripped) -> its calls; `tools` (the episode's OpenAI schemas) type
+    the arguments of formats that write them as text."""
+
+    def __call__(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn: ...
+
+
 PARSERS: dict[str, ToolCallParser] = {}
+# Per format, text its chat templates hold (and others do not), most specific formats first.
+MARKERS: dict[str, tuple[str, ...]] = {}
+AUTO = "auto"
 
 
-def register(name: str) -> Callable[[ToolCallParser], ToolCallParser]:
+def register(name: str, markers: tuple[str, ...] = ()) -> Callable[[ToolCallParser], ToolCallParser]:
     def decorate(parser: ToolCallParser) -> ToolCallParser:
         PARSERS[name] = parser
+        if markers:
+            MARKERS[name] = markers
         return parser
 
     return decorate
@@ -52,6 +64,18 @@ def get_parser(name: str) -> ToolCallParser:
         return PARSERS[name]
     except KeyError:
         raise ValueError(f"unknown tool-call format {name!r}; known: {sorted(PARSERS)}") from None
+
+
+def format_of_template(template: str) -> str:
+    """The tool-call format a chat template writes (TOOL_CALL_FORMAT=auto): the first, in MARKERS'
+    order, all of whose markers it holds. Raises ValueError naming the known formats."""
+    for name, markers in MARKERS.items():
+        if all(marker in template for marker in markers):
+            return name
+    raise ValueError(
+        "TOOL_CALL_FORMAT=auto: the tokenizer's chat template shows none of the known tool-call "
+        f"formats ({', '.join(sorted(PARSERS))}); set TOOL_CALL_FORMAT to one of them"
+    )
 
 
 # Reasoning of thinking models (Qwen3, DeepSeek-R1): everything up to the first </think>. The
@@ -77,8 +101,7 @@ def _refuse_constant(name: str) -> object:
 JSON_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
-@register("qwen25")
-def parse_qwen25(text: str) -> ParsedTurn:
+def parse_qwen25(text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
     start = text.find(QWEN25_OPEN)
     if start < 0:
         return respond(text)
@@ -115,10 +138,11 @@ def _qwen25_block(text: str, body: int) -> tuple[Action | None, int]:
     if rest and not rest.startswith(QWEN25_CLOSE):
         return None, skip
     close = text.find(QWEN25_CLOSE, end)
-    return _action_from_call(call), len(text) if close < 0 else close + len(QWEN25_CLOSE)
+    return action_from_call(call), len(text) if close < 0 else close + len(QWEN25_CLOSE)
 
 
-def _action_from_call(call: object) -> Action | None:
+def action_from_call(call: object) -> Action | None:
+    """The Action of a decoded {"name", "arguments"} call; None if it is not one a database stores."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
@@ -134,3 +158,11 @@ def _action_from_call(call: object) -> Action | None:
     except UnicodeEncodeError:
         return None
     return Action(call["name"], arguments)
+
+
+# The families (formats.py) register after the ones above; qwen25 is tried last by `auto`: every
+# format that wraps its calls in <tool_call> (qwen3_coder, glm45) is more specific.
+from service.loop import formats  # noqa: E402, F401
+
+register("qwen25", markers=("<tool_call>",))(parse_qwen25)
+register("hermes")(parse_qwen25)

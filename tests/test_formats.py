@@ -204,7 +204,7 @@ TEMPLATE_SNIPPETS = {
     "qwen25": '{{- \'<tool_call>\\n{"name": "\' }}',
     "qwen3_coder": "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{- '<parameter=' + name }}",
     "glm45": "{{ '<tool_call>' + tc.name }}{{ '<arg_key>' + k + '</arg_key>' }}",
-    "llama3": '{{- "<|python_tag|>" + tool_call.name }}',
+    "llama3": '{{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}',
     "mistral": '{{- "[TOOL_CALLS][" }}',
     "deepseekv3": "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>'}}",
     "kimi_k2": "{{- '<|tool_calls_section_begin|>' -}}",

@@ -1,7 +1,7 @@
 """Tool-call formats of the model families SGLang serves (its `--tool-call-parser` names), beside
-qwen25 in toolcalls.py: each parses a turn's sampled text (special tokens as text) into its calls,
-in order, or one `respond`, as SGLang's detector of that name does; and each says how its chat
-template shows it, for TOOL_CALL_FORMAT=auto.
+qwen25 (toolcalls.py, which gathers them all): each parses a turn's sampled text (special tokens as
+text) into its calls, in order, or one `respond`, as SGLang's detector of that name does; and each
+says how its chat template shows it, for TOOL_CALL_FORMAT=auto.
 
 Where a format writes arguments as text (qwen3_coder's `<parameter=...>`, glm45's `<arg_value>`),
 a value becomes the type the tool's JSON schema gives it, as SGLang converts it: "19122" stays a
@@ -11,20 +11,32 @@ string for a string parameter and becomes 19122 for an integer one.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from service.envs.base import Action
-from service.loop.toolcalls import (
+from service.loop.parsing import (
     JSON_DECODER,
     ParsedTurn,
     ToolCallParseError,
+    ToolCallParser,
     action_from_call,
-    register,
     respond,
 )
 
 Tools = Sequence[dict[str, Any]] | None
+PARSERS: dict[str, ToolCallParser] = {}  # by SGLang's name
+MARKERS: dict[str, tuple[str, ...]] = {}  # text a chat template of the format holds, for auto
+
+
+def register(name: str, markers: tuple[str, ...] = ()) -> Callable[[ToolCallParser], ToolCallParser]:
+    def decorate(parser: ToolCallParser) -> ToolCallParser:
+        PARSERS[name] = parser
+        if markers:
+            MARKERS[name] = markers
+        return parser
+
+    return decorate
 
 
 def _calls(content: str, actions: list[Action | None], text: str) -> ParsedTurn:
@@ -115,17 +127,17 @@ def parse_glm45(text: str, tools: Tools = None) -> ParsedTurn:
     return _calls(text[:start], actions, rest)
 
 
-# ---- Llama 3.x: JSON, after <|python_tag|> or bare ----
+# ---- Llama 3.x: JSON, after <|python_tag|> or bare (a turn that starts with `{`, as SGLang) ----
 
 LLAMA3_TAG = "<|python_tag|>"
 
 
-@register("llama3", markers=("<|python_tag|>",))
+@register("llama3", markers=("<|start_header_id|>", "ipython"))
 def parse_llama3(text: str, tools: Tools = None) -> ParsedTurn:
     stripped = text.strip()
     if stripped.startswith(LLAMA3_TAG):
         stripped = stripped[len(LLAMA3_TAG) :].lstrip()
-    elif not stripped.startswith('{"name"'):
+    elif not stripped.startswith("{"):
         return respond(text)
     actions: list[Action | None] = []
     position = 0
@@ -136,7 +148,7 @@ def parse_llama3(text: str, tools: Tools = None) -> ParsedTurn:
             actions.append(None)
             break
         if isinstance(call, dict) and "parameters" in call and "arguments" not in call:
-            call = {"name": call.get("name"), "arguments": call["parameters"]}
+            call = {"name": call.get("name"), "arguments": call["parameters"]}  # and "type": "function"
         actions.append(action_from_call(call))
         position = end
         while position < len(stripped) and (stripped[position].isspace() or stripped[position] == ";"):
@@ -148,6 +160,7 @@ def parse_llama3(text: str, tools: Tools = None) -> ParsedTurn:
 
 MISTRAL_TAG = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
+MISTRAL_CALL_ID = "[CALL_ID]"
 
 
 @register("mistral", markers=("[TOOL_CALLS]",))
@@ -160,7 +173,7 @@ def parse_mistral(text: str, tools: Tools = None) -> ParsedTurn:
         part = part.strip().removesuffix("</s>").strip()
         if MISTRAL_ARGS in part and not part.startswith("["):
             name, _, arguments = part.partition(MISTRAL_ARGS)
-            actions.append(_json_call(name, arguments))
+            actions.append(_json_call(name.partition(MISTRAL_CALL_ID)[0], arguments))  # v11: name[CALL_ID]id
             continue
         try:
             calls, end = JSON_DECODER.raw_decode(part)

@@ -1,62 +1,41 @@
 """Tool-call parsers: the policy's text -> its tool calls, in order, or one `respond` action.
 
-Formats are registered by name (the `TOOL_CALL_FORMAT` setting); the Qwen2.5 / Hermes format is
+Formats go by SGLang's parser names (the `TOOL_CALL_FORMAT` setting, or `auto`: the one whose
+markers the tokenizer's chat template holds). The Qwen2.5 / Hermes format is here:
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, parsed as SGLang's `qwen25` parser
-does: each block is JSON on its own, `parameters` is accepted for `arguments`.
+does: each block is JSON on its own, `parameters` is accepted for `arguments`. The other families
+are in formats.py.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
-from service.envs.base import RESPOND_ACTION_NAME, Action
+from service.envs.base import Action
+from service.loop import formats
+from service.loop.parsing import (
+    JSON_DECODER,
+    ParsedTurn,
+    ToolCallParseError,
+    ToolCallParser,
+    action_from_call,
+    respond,
+)
 
-
-class ToolCallParseError(ValueError):
-    """The text tries to call a tool but a call in it cannot be parsed: the episode is aborted
-    (executing only the calls that parse would train on a call that never got its answer)."""
-
-
-@dataclass(frozen=True)
-class ParsedTurn:
-    actions: list[Action]  # every call of the turn, in order (parallel calls); or one `respond`
-    content: str  # the normal text before the first call
-
-    @property
-    def action(self) -> Action:
-        return self.actions[0]
-
-    @property
-    def calls(self) -> int:
-        """Tool calls in the turn (0 for a `respond`)."""
-        return 0 if self.actions[0].name == RESPOND_ACTION_NAME else len(self.actions)
+__all__ = [
+    "AUTO",
+    "PARSERS",
+    "ParsedTurn",
+    "ToolCallParseError",
+    "ToolCallParser",
+    "get_parser",
+    "strip_reasoning",
+]
 
 
-class ToolCallParser(Protocol):
-    """A turn's text (reasoning stripped) -> its calls; `tools` (the episode's OpenAI schemas) type
-    the arguments of formats that write them as text."""
-
-    def __call__(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn: ...
-
-
-PARSERS: dict[str, ToolCallParser] = {}
-# Per format, text its chat templates hold (and others do not), most specific formats first.
-MARKERS: dict[str, tuple[str, ...]] = {}
 AUTO = "auto"
-
-
-def register(name: str, markers: tuple[str, ...] = ()) -> Callable[[ToolCallParser], ToolCallParser]:
-    def decorate(parser: ToolCallParser) -> ToolCallParser:
-        PARSERS[name] = parser
-        if markers:
-            MARKERS[name] = markers
-        return parser
-
-    return decorate
 
 
 def get_parser(name: str) -> ToolCallParser:
@@ -93,14 +72,6 @@ QWEN25_BLOCK_OPEN = "<tool_call>\n"
 QWEN25_CLOSE = "</tool_call>"
 
 
-def _refuse_constant(name: str) -> object:
-    raise ValueError(f"{name} is not JSON")
-
-
-# Strict JSON: Python's decoder also takes NaN and Infinity, which no database stores as JSON.
-JSON_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
-
-
 def parse_qwen25(text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
     start = text.find(QWEN25_OPEN)
     if start < 0:
@@ -117,11 +88,6 @@ def parse_qwen25(text: str, tools: Sequence[dict[str, Any]] | None = None) -> Pa
         actions.append(action)
         position = text.find(QWEN25_OPEN, end)
     return ParsedTurn(actions, content)
-
-
-def respond(text: str) -> ParsedTurn:
-    """A turn without tool calls: its text goes to the user."""
-    return ParsedTurn([Action(RESPOND_ACTION_NAME, {"content": text})], text)
 
 
 def _qwen25_block(text: str, body: int) -> tuple[Action | None, int]:
@@ -141,28 +107,7 @@ def _qwen25_block(text: str, body: int) -> tuple[Action | None, int]:
     return action_from_call(call), len(text) if close < 0 else close + len(QWEN25_CLOSE)
 
 
-def action_from_call(call: object) -> Action | None:
-    """The Action of a decoded {"name", "arguments"} call; None if it is not one a database stores."""
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    if isinstance(arguments, str):  # some models send the arguments as a JSON string
-        try:
-            arguments = JSON_DECODER.decode(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    try:  # a "\ud800" escape decodes to half a character: stored, it would make the episode unreadable
-        json.dumps([call["name"], arguments], ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return None
-    return Action(call["name"], arguments)
-
-
-# The families (formats.py) register after the ones above; qwen25 is tried last by `auto`: every
-# format that wraps its calls in <tool_call> (qwen3_coder, glm45) is more specific.
-from service.loop import formats  # noqa: E402, F401
-
-register("qwen25", markers=("<tool_call>",))(parse_qwen25)
-register("hermes")(parse_qwen25)
+# Every format by SGLang's name. Per format, text its chat templates hold (and the others' do not),
+# in the order `auto` tries them: qwen25 last, since qwen3_coder and glm45 wrap calls in <tool_call> too.
+PARSERS: dict[str, ToolCallParser] = {**formats.PARSERS, "qwen25": parse_qwen25, "hermes": parse_qwen25}
+MARKERS: dict[str, tuple[str, ...]] = {**formats.MARKERS, "qwen25": ("<tool_call>",)}

@@ -197,19 +197,28 @@ DEEPSEEK_CALL = re.compile(
 )
 
 
-@register("deepseekv3", markers=("<｜tool▁calls▁begin｜>",))
-def parse_deepseekv3(text: str, tools: Tools = None) -> ParsedTurn:
-    start = text.find(DEEPSEEK_BEGIN)
+def _section_calls(
+    text: str, begin: str, end: str, call: re.Pattern[str], action: Callable[[re.Match[str]], Action | None]
+) -> ParsedTurn:
+    """Formats whose calls stand in a section between `begin` and `end`, each matching `call`."""
+    start = text.find(begin)
     if start < 0:
         return respond(text)
-    body = text[start + len(DEEPSEEK_BEGIN) :].split("<｜tool▁calls▁end｜>")[0]
-    actions: list[Action | None] = [
-        _json_call(match.group(1) or match.group(3), match.group(2) if match.group(1) else match.group(4))
-        for match in DEEPSEEK_CALL.finditer(body)
-    ]
-    if DEEPSEEK_CALL.sub("", body).strip():
+    body = text[start + len(begin) :].split(end)[0]
+    actions = [action(match) for match in call.finditer(body)]
+    if call.sub("", body).strip():  # something in the section that is no call
         actions.append(None)
     return _calls(text[:start], actions, text[start:])
+
+
+@register("deepseekv3", markers=("<｜tool▁calls▁begin｜>",))
+def parse_deepseekv3(text: str, tools: Tools = None) -> ParsedTurn:
+    def action(match: re.Match[str]) -> Action | None:
+        if match.group(1) is not None:  # V3
+            return _json_call(match.group(1), match.group(2))
+        return _json_call(match.group(3), match.group(4))
+
+    return _section_calls(text, DEEPSEEK_BEGIN, "<｜tool▁calls▁end｜>", DEEPSEEK_CALL, action)
 
 
 register("deepseekv31", markers=())(parse_deepseekv3)  # SGLang's name for V3.1's form: both parse
@@ -226,16 +235,9 @@ KIMI_CALL = re.compile(
 
 @register("kimi_k2", markers=("<|tool_calls_section_begin|>",))
 def parse_kimi_k2(text: str, tools: Tools = None) -> ParsedTurn:
-    start = text.find(KIMI_BEGIN)
-    if start < 0:
-        return respond(text)
-    body = text[start + len(KIMI_BEGIN) :].split("<|tool_calls_section_end|>")[0]
-    actions: list[Action | None] = [
-        _json_call(name, arguments) for name, arguments in KIMI_CALL.findall(body)
-    ]
-    if KIMI_CALL.sub("", body).strip():
-        actions.append(None)
-    return _calls(text[:start], actions, text[start:])
+    return _section_calls(
+        text, KIMI_BEGIN, "<|tool_calls_section_end|>", KIMI_CALL, lambda match: _json_call(*match.groups())
+    )
 
 
 # ---- gpt-oss: harmony channels ----

@@ -44,6 +44,7 @@ class GroupLog:
         self._keys: set[GroupKey] = set()
         self._batches: set[str] = set()
         self._touched = asyncio.Event()
+        self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
     def touch(self, keys: Iterable[GroupKey] = (), batches: Iterable[str] = ()) -> None:
@@ -56,13 +57,12 @@ class GroupLog:
         self._task = asyncio.create_task(self._loop(), name="group log")
 
     async def stop(self) -> None:
-        """Logs what was touched (one try), then stops; a sweep elsewhere catches what fails here."""
+        """Logs what was touched (one try) and stops, never cutting a transaction short; a sweep
+        in another process catches what fails here."""
+        self._stopping = True
+        self._touched.set()
         if self._task is not None:
-            self._task.cancel()
             await asyncio.wait([self._task])
-        if self._keys or self._batches:
-            with contextlib.suppress(*DATABASE_ERRORS):
-                await self._log_touched()
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -71,16 +71,21 @@ class GroupLog:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, next_sweep - loop.time())):
                     await self._touched.wait()
-                    await asyncio.sleep(GATHER_SECONDS)
+                    if not self._stopping:
+                        await asyncio.sleep(GATHER_SECONDS)
             self._touched.clear()
             try:
                 if self._keys or self._batches:
                     await self._log_touched()
+                if self._stopping:
+                    return
                 if loop.time() >= next_sweep:
                     await self.sweep()
                     next_sweep = loop.time() + self._sweep_seconds
             except DATABASE_ERRORS as error:
                 self._database.status.failed(error)
+                if self._stopping:
+                    return
                 logger.warning("logging complete groups failed (%s); retrying", error)
                 await asyncio.sleep(RETRY_SECONDS)
 

@@ -20,7 +20,8 @@ demo: $(STAMP)
 	$(BIN)/python -m service demo
 
 # Lint, type-check, then the whole suite on SQLite and on the local PostgreSQL (started if it is
-# installed but down; if it is not installed at all, its tests are skipped with that reason, except on CI).
+# installed but down) with the viewer's browser tests in Debian's Chromium (installed if missing,
+# as root). Where either cannot be had, its tests are skipped with that reason, except on CI.
 test: lint pytest
 
 lint: $(STAMP)
@@ -28,10 +29,12 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 pytest: $(STAMP)
-	@scripts/ensure_postgres.sh; status=$$?; \
-	if [ $$status -eq 0 ]; then $(BIN)/python -m pytest $(PYTEST_ARGS); \
-	elif [ $$status -eq 3 ]; then ROLLOUT_SKIP_POSTGRES=1 $(BIN)/python -m pytest $(PYTEST_ARGS); \
-	else exit $$status; fi
+	@scripts/ensure_postgres.sh; postgres=$$?; \
+	if [ $$postgres -ne 0 ] && [ $$postgres -ne 3 ]; then exit $$postgres; fi; \
+	scripts/ensure_chromium.sh; chromium=$$?; \
+	if [ $$chromium -ne 0 ] && [ $$chromium -ne 3 ]; then exit $$chromium; fi; \
+	ROLLOUT_SKIP_POSTGRES=$$([ $$postgres -eq 3 ] && echo 1) ROLLOUT_SKIP_BROWSER=$$([ $$chromium -eq 3 ] && echo 1) \
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 openapi: $(STAMP)
 	$(BIN)/python -m service openapi --output openapi.yaml

@@ -9,8 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +26,7 @@ POSTGRES_HOST = os.environ.get("BENCH_POSTGRES_HOST", "postgres@127.0.0.1:5432")
 START_TIMEOUT_SECONDS = 120.0
 STOP_TIMEOUT_SECONDS = 60.0
 SHOP_TEST_TASKS = 50  # builtin/shop's test split
+HEALTH_INTERVAL_SECONDS = 0.2
 T = TypeVar("T")
 
 
@@ -139,3 +142,34 @@ def run_loop(coroutine: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(coroutine)
     return uvloop.run(coroutine)
+
+
+class HealthProbe(threading.Thread):
+    """GET /health every HEALTH_INTERVAL_SECONDS on its own connection, as an orchestrator's
+    liveness probe does: latencies and failures."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.latencies: list[float] = []
+        self.errors: Counter[str] = Counter()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=60) as http:
+            while not self.done.is_set():
+                started = time.perf_counter()
+                try:
+                    if (status := http.get("/health").status_code) != 200:
+                        self.errors[str(status)] += 1
+                except httpx.HTTPError as error:
+                    self.errors[type(error).__name__] += 1
+                self.latencies.append(time.perf_counter() - started)
+                self.done.wait(HEALTH_INTERVAL_SECONDS)
+
+    def stats(self) -> dict[str, Any]:
+        self.done.set()
+        self.join()
+        figures = percentiles_ms(self.latencies)
+        return {"health_p50_ms": figures["p50_ms"], "health_p99_ms": figures["p99_ms"],
+                "health_errors": dict(self.errors)}  # fmt: skip

@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -39,15 +38,13 @@ sys.path.insert(0, str(REPO))
 from bench.common import (  # noqa: E402
     SHOP_TEST_TASKS,
     START_TIMEOUT_SECONDS,
+    HealthProbe,
     free_port,
     fresh_database,
-    percentiles_ms,
     sim_worker,
     stop,
     wait_healthy,
 )
-
-HEALTH_INTERVAL_SECONDS = 0.2
 
 LONG_POLL_SECONDS = 300.0  # the service's MAX_LONG_POLL_SECONDS
 GOAL_RATIO = 1.7  # issue 10: 2 processes on 2 cores
@@ -95,35 +92,6 @@ def started_processes(log: Path) -> int:
     return log.read_text(errors="replace").count('"message": "Application startup complete."')
 
 
-class HealthProbe(threading.Thread):
-    """GET /health every HEALTH_INTERVAL_SECONDS on its own connection, as an orchestrator's
-    liveness probe does: latencies and failures."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url = url
-        self.latencies: list[float] = []
-        self.errors: Counter[str] = Counter()
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=60) as http:
-            while not self.done.is_set():
-                started = time.perf_counter()
-                try:
-                    if (status := http.get("/health").status_code) != 200:
-                        self.errors[str(status)] += 1
-                except httpx.HTTPError as error:
-                    self.errors[type(error).__name__] += 1
-                self.latencies.append(time.perf_counter() - started)
-                self.done.wait(HEALTH_INTERVAL_SECONDS)
-
-    def stats(self) -> dict[str, Any]:
-        self.done.set()
-        self.join()
-        figures = percentiles_ms(self.latencies)
-        return {"health_p50_ms": figures["p50_ms"], "health_p99_ms": figures["p99_ms"],
-                "health_errors": dict(self.errors)}  # fmt: skip
 
 
 def run_once(

@@ -11,12 +11,14 @@ from typing import cast
 
 from fastapi import Depends, FastAPI
 
-from service.api import batches, engine, envs, episodes, groups, health
+from service.agents.chat import AgentChat
+from service.api import agents, batches, engine, envs, episodes, groups, health
 from service.api.contract import install_contract
 from service.api.deps import refuse_unknown_query_parameters
 from service.api.errors import install_error_handlers
 from service.api.middleware import install_middleware
-from service.app_state import EnginePause, ResultsSignal, Services
+from service.api.ui import install_pages
+from service.app_state import EnginePause, Lazy, ResultsSignal, Services
 from service.config import Settings
 from service.engine.client import AbortQuiet, SGLangClient, make_control_client
 from service.engine.transport import SocketTransport
@@ -24,7 +26,7 @@ from service.envs.base import UserSimConfig
 from service.envs.host import EnvHost
 from service.envs.registry import available_envs
 from service.loop.runner import EpisodeRunner
-from service.loop.tokens import ChatTokenizer, HFTokenizer
+from service.loop.tokens import ChatTokenizer, HFTokenizer, TokenTexts
 from service.loop.toolcalls import AUTO, format_of_template, get_parser
 from service.metrics import Metrics
 from service.records import EpisodeResult
@@ -130,6 +132,7 @@ async def lifespan(
         pause = EnginePause(settings.max_pause_seconds, lambda: engine.control("/continue_generation", {}))
         resources.push_async_callback(pause.aclose)
         worker = None
+        chat = None
         tokenizer = await asyncio.to_thread(load_tokenizer, settings) if settings.run_worker else None
         call_format = await asyncio.to_thread(tool_call_format, settings, tokenizer)
         logger.info("tool-call format: %s", call_format)
@@ -157,6 +160,25 @@ async def lifespan(
                 results.notify()
 
             worker = EpisodeWorker(settings, database, runner, on_finished=episode_stored)
+
+        # An API-only process loads its tokenizer on first use (the viewer's or an agent's), once.
+        async def load_once() -> HFTokenizer:
+            if tokenizer is None:
+                return await asyncio.to_thread(load_tokenizer, settings)
+            return tokenizer
+
+        shared_tokenizer = Lazy(load_once)
+
+        async def agent_chat() -> AgentChat:
+            agents_chat = chat
+            if agents_chat is None:
+                agents_chat = await asyncio.to_thread(
+                    load_chat_tokenizer, settings, await shared_tokenizer.get()
+                )
+            return AgentChat(
+                engine, agents_chat, get_parser(call_format), max_turn_resumes=settings.max_turn_resumes
+            )
+
         services = Services(
             settings=settings,
             database=database,
@@ -169,6 +191,8 @@ async def lifespan(
             worker=worker,
             group_log=group_log,
             tool_call_format=call_format,
+            token_texts=TokenTexts(shared_tokenizer.get),
+            agent_chat=Lazy(agent_chat),
         )
         if worker is not None:
             worker.start()
@@ -190,10 +214,13 @@ def create_app(settings: Settings | None = None, shutting_down: asyncio.Event | 
         summary="Durable multi-turn agent rollouts against SGLang, with exact token data for RL trainers.",
         lifespan=lambda app: lifespan(settings, metrics, shutting_down),
         dependencies=[Depends(refuse_unknown_query_parameters)],
+        docs_url=None,  # served by install_pages, from the package rather than a CDN
+        redoc_url=None,
     )
     install_error_handlers(app)
     install_middleware(app, settings)
-    for module in (episodes, batches, groups, envs, engine, health):
+    for module in (episodes, batches, groups, envs, engine, health, agents):
         app.include_router(module.router)
+    install_pages(app)
     install_contract(app)
     return app

@@ -10,9 +10,11 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from service.agents.chat import AgentChat
 from service.config import Settings
 from service.engine.client import SGLangClient
 from service.envs.base import EnvSpec
+from service.loop.tokens import TokenTexts
 from service.metrics import Metrics
 from service.storage.db import Database
 from service.worker.group_log import GroupLog
@@ -108,6 +110,21 @@ class SharedReads(Generic[K, V]):
             del self._running[key]
 
 
+class Lazy(Generic[V]):
+    """A value built once, on first use: however many ask at once, `build` runs once."""
+
+    def __init__(self, build: Callable[[], Awaitable[V]]) -> None:
+        self._build = build
+        self._value: V | None = None
+        self._building = asyncio.Lock()
+
+    async def get(self) -> V:
+        async with self._building:
+            if self._value is None:
+                self._value = await self._build()
+        return self._value
+
+
 class EnginePause:
     """Generation paused by POST /engine/pause, until POST /engine/continue or, at the latest,
     `max_seconds` after the last pause: then `resume` runs (a trainer that died mid weight update
@@ -188,5 +205,7 @@ class Services:
     worker: EpisodeWorker | None  # None when this process only serves the API (RUN_WORKER=false)
     group_log: GroupLog  # logs complete groups in the stream of GET /groups
     tool_call_format: str  # TOOL_CALL_FORMAT, `auto` resolved
+    token_texts: TokenTexts  # token ids as text, for people (the viewer)
+    agent_chat: Lazy[AgentChat]  # external agents' calls, in any process
     summaries: GroupSummaries = field(default_factory=GroupSummaries)
     summary_reads: SharedReads[str, bytes | None] = field(default_factory=SharedReads)

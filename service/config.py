@@ -171,6 +171,12 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(default=1_048_576, ge=1024, description="Largest accepted request body.")
     max_episodes_per_request: int = Field(default=10_000, ge=1, description="Episodes one POST may create.")
     max_long_poll_seconds: float = Field(default=300.0, ge=0, description="Upper bound of ?wait=.")
+    external_idle_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="An external agent's episode (env `external`) with no call for this long ends "
+        "`failed` (timed out).",
+    )
 
     # The user simulator of LLM-driven environments (tau-bench, tau2).
     user_sim_base_url: str = Field(

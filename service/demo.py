@@ -87,6 +87,10 @@ async def _run(settings: Settings, tasks: int, samples: int) -> int:
         table = pa.ipc.open_stream(io.BytesIO(arrow.content)).read_all()
         print(summarize(table, batch["counts"], elapsed))
         print(f"pulled     {table.num_rows} rows as Arrow ({len(arrow.content) / 1e6:.2f} MB) from {url}")
+        print(
+            f"look at it: DATABASE_URL={settings.database_url} python -m service serve, then "
+            f"http://127.0.0.1:8000/ui/#/batches/{batch_id}"
+        )
         return 0 if batch["counts"]["failed"] == 0 else 1
 
 

@@ -111,6 +111,10 @@ class Metrics:
             if turn.action is not None:
                 self.env_seconds.observe(turn.env_seconds)
 
+    def agent_finished(self, status: EpisodeStatus) -> None:
+        """An external agent's episode, ended by its agent (its turns and tokens are not counted)."""
+        self.finished.labels(status.value).inc()
+
     def render(
         self,
         episodes_by_status: Mapping[str, int],

@@ -11,6 +11,10 @@ DEFAULT_MAX_NEW_TOKENS = 1024  # per turn, when sampling_params has none
 DEADLINE_NOTE = "deadline"  # the error of an episode that ran past its episode_timeout_seconds
 
 
+# Episodes that external agents play through their OpenAI endpoint (service/agents): no env here.
+EXTERNAL_ENV = "external"
+
+
 class EpisodeStatus(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"

@@ -1,5 +1,6 @@
-"""API keys: every endpoint but /health needs `Authorization: Bearer <one of API_KEYS>`; without keys
-the service runs open and says so in its start-up log."""
+"""API keys: every endpoint but /health (and the pages: the viewer, the API docs and their contract,
+tests/test_viewer_api.py) needs `Authorization: Bearer <one of API_KEYS>`; without keys the service
+runs open and says so in its start-up log."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ async def protected_requests(http: httpx.AsyncClient, headers: dict[str, str]) -
         "/envs",
         "/metrics",
         "/ready",
-        "/openapi.json",
-        "/docs",
+        "/batches",
+        "/batches/auth/episodes",
+        "/groups",
     ):
         responses[f"GET {path.replace(episode_id, '{id}')}"] = await http.get(path, headers=headers)
     return responses
@@ -83,6 +85,7 @@ async def test_protected_endpoints_refuse_a_missing_or_wrong_key(
         head_ready = await http.head("/ready", headers=headers)
         assert (await http.get("/health", headers=headers)).status_code == 200
         assert (await http.head("/health", headers=headers)).status_code == 200
+        responses["GET /episodes/{id}/tokens"] = await http.get("/episodes/x/tokens", headers=headers)
     assert head_ready.status_code == 401 and head_ready.headers["www-authenticate"] == "Bearer"
     for name, response in responses.items():
         assert response.status_code == 401, (name, response.status_code, response.text)

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.browser import require_chromium
+
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -144,3 +146,24 @@ def test_stragglers_quick(capsys: pytest.CaptureFixture[str]) -> None:
         assert sorted(result[way]["seconds_to_k_groups"]) == ["1", "2"]
         assert sum(result[way]["counts"].values()) == 2 * result["samples"]
     assert_positive(result["speedup_vs_whole_batch"]["stream"], "1", "2")
+
+
+def test_viewer_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    require_chromium()
+    bench = load_bench("viewer")
+    returned = bench.main(["--groups", "3", "--tokens", "400", "--repeat", "1"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result == json.loads(json.dumps(returned))
+    assert result["episodes"] == 24
+    assert_positive(result, "batch_page_ms", "batch_fetch_ms", "token_view_ms", "token_fetch_ms")
+    assert len(result["runs"]["token_view"]) == 1
+
+
+def test_agents_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("agents")
+    returned = bench.main(["--agents", "4", "--calls", "2", "--latency", "0.02"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result == json.loads(json.dumps(returned))
+    assert result["outcomes"] == {"ok": 4} and result["stored"] == {"completed, 2 calls": 4}
+    assert result["complete"] and result["segments_of_first"] == 1
+    assert_positive(result, "calls_per_s", "service_cpu_ms_per_call", "bare_client_cpu_ms_per_call")

@@ -130,9 +130,23 @@ async def test_generate_fills_the_sample_as_slime_does(
         }  # fmt: skip
 
 
+@pytest.mark.parametrize("answer_delay", [0.0, 2.0], ids=["waiting", "answer-in-flight"])
 @pytest.mark.parametrize("service", [0.5], indirect=True)  # slow turns: cancelled mid-episode
-async def test_a_cancelled_generate_cancels_its_episode(service: tuple[str, SimWorker], db: Database) -> None:
+async def test_a_cancelled_generate_cancels_its_episode(
+    service: tuple[str, SimWorker], db: Database, answer_delay: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled while it waits for the episode, or while the POST's answer is still on its way
+    (the service took the batch and started the episode, the hook has not heard yet): either way
+    the episode ends cancelled and the engine does no more work for it."""
     _, sim = service
+    submit = hooks.AsyncRolloutClient.submit
+
+    async def answered_late(self: hooks.AsyncRolloutClient, *args: Any, **kwargs: Any) -> Any:
+        submission = await submit(self, *args, **kwargs)
+        await asyncio.sleep(answer_delay)
+        return submission
+
+    monkeypatch.setattr(hooks.AsyncRolloutClient, "submit", answered_late)
     args = slime_args()
     task = asyncio.create_task(
         hooks.generate(args, Sample(index=11, prompt="2"), hooks.sampling_params_of(args))

@@ -43,6 +43,10 @@ class EpisodeArrays:
     info_json: str = field(repr=False)
     # The Arrow list scalar of the episode's token_weight_versions, or the JSON list.
     token_versions: pa.ListScalar | list[str | None] | None = field(default=None, repr=False)
+    # An external agent that rewrote its history has several segments, each a training sample
+    # (a row) of its own with the episode's id, reward and status.
+    segment: int = 0
+    segments: int = 1
 
     @cached_property
     def token_weight_versions(self) -> list[str | None]:
@@ -81,6 +85,8 @@ class EpisodeArrays:
             messages_json=json.dumps(episode["messages"]),
             info_json=json.dumps(episode["info"]),
             token_versions=episode.get("token_weight_versions"),
+            segment=episode.get("segment", 0),
+            segments=episode.get("segments", 1),
         )
 
     @cached_property
@@ -136,6 +142,11 @@ class Batch:
             else None
         )
         self._tokens = {name: _Flat(table.column(name)) for name in TOKEN_COLUMNS}
+        self._segments: list[tuple[int, int]] = (
+            list(zip(table.column("segment").to_pylist(), table.column("segments").to_pylist(), strict=True))
+            if "segments" in names
+            else [(0, 1)] * table.num_rows
+        )
 
     def _numbers(self, name: str) -> npt.NDArray[Any]:
         numbers: npt.NDArray[Any] = self.table.column(name).to_numpy()
@@ -168,6 +179,8 @@ class Batch:
             messages_json=self._messages[index],
             info_json=self._info[index],
             token_versions=None if self._token_versions is None else self._token_versions[index],
+            segment=self._segments[index][0],
+            segments=self._segments[index][1],
             **tokens,
         )
 

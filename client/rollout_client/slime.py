@@ -28,7 +28,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from rollout_client import AsyncRolloutClient, EpisodeArrays, RolloutClient
+from rollout_client import AsyncRolloutClient, EpisodeArrays, RequestError, RolloutClient, RolloutError
 
 logger = logging.getLogger(__name__)
 
@@ -192,22 +192,42 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     config = HookConfig.from_env()
     client = _async_client(asyncio.get_running_loop(), config.url, config.api_key)
     batch_id = _batch_id(run_id_of(args, config), "sample", sample.index, uuid.uuid4().hex[:12])
-    submission = await client.submit(
-        config.env,
-        [task_index_of(sample)],
-        task_split=config.task_split,
-        sampling_params=sampling_params,
-        max_turns=config.max_turns,
-        batch_id=batch_id,
-        metadata={"slime_index": sample.index, "slime_group_index": sample.group_index},
+    submitting = asyncio.ensure_future(
+        client.submit(
+            config.env,
+            [task_index_of(sample)],
+            task_split=config.task_split,
+            sampling_params=sampling_params,
+            max_turns=config.max_turns,
+            batch_id=batch_id,
+            metadata={"slime_index": sample.index, "slime_group_index": sample.group_index},
+        )
     )
     try:
-        await client.wait(submission.batch_id, poll=EPISODE_WAIT_SECONDS)
-        episode = (await client.batch(submission.batch_id))[0]
+        await asyncio.shield(submitting)
+        await client.wait(batch_id, poll=EPISODE_WAIT_SECONDS)
+        episode = (await client.batch(batch_id))[0]
     except asyncio.CancelledError:
-        await asyncio.shield(client.cancel(submission.batch_id))
+        await asyncio.shield(_cancel_once_submitted(client, submitting, batch_id))
         raise
     return fill_sample(args, sample, episode)
+
+
+async def _cancel_once_submitted(
+    client: AsyncRolloutClient, submitting: asyncio.Future[Any], batch_id: str
+) -> None:
+    """Cancels the batch after its POST has ended. slime may cancel `generate` while the POST is in
+    flight: the service may already have accepted the batch and started its episode, and a cancel
+    sent before the POST lands would find no batch while the episode runs on."""
+    try:
+        await submitting
+    except RolloutError:  # refused, or no answer: whether the batch exists, the cancel finds out
+        pass
+    try:
+        await client.cancel(batch_id)
+    except RequestError as error:
+        if error.status_code != 404:  # 404: the service never took the batch, nothing to stop
+            raise
 
 
 # ---- --rollout-function-path ----

@@ -1,5 +1,6 @@
 """GET /batches/{id}: what the trainer pulls, as JSON or as an Arrow IPC stream, with long-poll;
-POST /batches/{id}/cancel: what it no longer wants."""
+POST /batches/{id}/cancel: what it no longer wants; GET /batches and GET /batches/{id}/episodes:
+what people look at (the viewer)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,89 @@ from service.api.errors import DatabaseUnavailable, NotFound, responses
 from service.api.presenters import (
     ARROW_STREAM_MEDIA_TYPE,
     arrow_stream,
+    batch_info,
     batch_summary_json,
+    summary_item,
     tokens_json_stream,
 )
-from service.api.schemas import BATCH_ID_PATTERN, BatchOut, CancelOut
+from service.api.schemas import (
+    BATCH_ID_PATTERN,
+    BatchEpisodesOut,
+    BatchListItem,
+    BatchListOut,
+    BatchOut,
+    CancelOut,
+)
 from service.app_state import Services
-from service.records import attempt_rid_prefix
+from service.records import EpisodeStatus, attempt_rid_prefix
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
 from service.storage.batches import batch_unfinished, cancel_batch
+from service.storage.browse import UnknownCursor, batch_episode_summaries, list_batches
 
 router = APIRouter(tags=["batches"])
 
 JSON_SIZE_FACTOR = 4  # a token's JSON text against its stored bytes, about
 CANCEL_ABORTS_AT_ONCE = 64  # engine aborts of a cancelled batch in flight together
 BatchId = Annotated[str, Path(max_length=128, pattern=BATCH_ID_PATTERN)]
+MAX_BATCHES_PAGE = 500
+
+
+@router.get(
+    "/batches",
+    operation_id="list_batches",
+    response_model=BatchListOut,
+    responses=responses(NotFound, DatabaseUnavailable),
+)
+async def get_batches(
+    services: ServicesDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_BATCHES_PAGE, description="Batches per page.")] = 50,
+    before: Annotated[
+        str | None,
+        Query(max_length=128, pattern=BATCH_ID_PATTERN, description="The previous page's `next`."),
+    ] = None,
+) -> BatchListOut:
+    """Batches, newest first, a page at a time: counts by status and reward mean so far."""
+    try:
+        page = await list_batches(services.database, limit=limit, before=before)
+    except UnknownCursor:
+        raise NotFound(f"no batch {before!r} to page from (before=)") from None
+    return BatchListOut(
+        batches=[
+            BatchListItem(
+                **batch_info(listing.batch),
+                counts=listing.counts,
+                total=sum(listing.counts.values()),
+                reward_mean=listing.reward_mean,
+            )
+            for listing in page.batches
+        ],
+        next=page.next,
+    )
+
+
+@router.get(
+    "/batches/{batch_id}/episodes",
+    operation_id="list_batch_episodes",
+    response_model=BatchEpisodesOut,
+    responses=responses(NotFound, DatabaseUnavailable),
+)
+async def get_batch_episodes(
+    services: ServicesDep,
+    batch_id: BatchId,
+    status: Annotated[
+        list[EpisodeStatus] | None, Query(description="Only episodes with one of these statuses.")
+    ] = None,
+) -> Response:
+    """Every episode of the batch, finished or not (`GET /batches/{id}` lists complete groups only),
+    summarized: no tokens, no transcript."""
+    found = await batch_episode_summaries(services.database, batch_id, [str(value) for value in status or ()])
+    if found is None:
+        raise NotFound(f"no batch {batch_id!r}")
+    batch, rows = found
+    body = BatchEpisodesOut.model_validate(
+        {**batch_info(batch), "episodes": [summary_item(row) for row in rows]}
+    )
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 @router.get(

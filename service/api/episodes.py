@@ -1,4 +1,5 @@
-"""POST /episodes (submit a batch) and GET /episodes/{id} (one episode, whole)."""
+"""POST /episodes (submit a batch), GET /episodes/{id} (one episode, whole) and
+GET /episodes/{id}/tokens (its tokens as text, for people)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, status
+from fastapi import APIRouter, Path, Query, Request, status
 from sqlalchemy import select
 
 from service.api.deps import ServicesDep, long_poll
@@ -20,13 +21,24 @@ from service.api.errors import (
     responses,
 )
 from service.api.presenters import episode_detail
-from service.api.schemas import ID_PATTERN, EpisodeDetail, SubmitAccepted, SubmitEpisodes
+from service.api.schemas import (
+    ID_PATTERN,
+    AgentEndpoint,
+    EpisodeDetail,
+    EpisodeTokenView,
+    SubmitAccepted,
+    SubmitEpisodes,
+)
+from service.api.token_view import episode_token_view
 from service.app_state import Services
-from service.records import FINISHED_STATUSES, EpisodeRequest
+from service.config import Settings
+from service.records import EXTERNAL_ENV, FINISHED_STATUSES, EpisodeRequest
+from service.storage.agents import agent_tokens
 from service.storage.batches import BatchConflict, NewBatch, NewEpisode, submit_batch
-from service.storage.models import Episode
+from service.storage.models import Episode, EpisodeSegment
 
 router = APIRouter(tags=["episodes"])
+EpisodeId = Annotated[str, Path(max_length=128, pattern=ID_PATTERN)]
 
 # Where an accepted submission is read back (OpenAPI links: documentation, and stateful tests).
 SUBMIT_LINKS = {
@@ -49,6 +61,9 @@ def request_hash(body: SubmitEpisodes) -> str:
 
 
 def validate_submission(body: SubmitEpisodes, services: Services) -> None:
+    if body.env == EXTERNAL_ENV:  # the agent's own tasks: their indices and split are its labels
+        _check_size(body, services)
+        return
     spec = services.envs.get(body.env)
     if spec is None:
         raise InvalidRequest.field(
@@ -78,6 +93,10 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> None:
                 f"task {index} of {body.env} {body.task_split} is graded by an LLM judge (its reward "
                 "basis has NL_ASSERTION) and this service has none: set JUDGE_BASE_URL and JUDGE_MODEL",
             )
+    _check_size(body, services)
+
+
+def _check_size(body: SubmitEpisodes, services: Services) -> None:
     total = len(body.task_indices) * body.samples_per_task
     if total > services.settings.max_episodes_per_request:
         raise PayloadTooLarge(
@@ -85,9 +104,10 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> None:
         )
 
 
-def new_batch(body: SubmitEpisodes) -> NewBatch:
+def new_batch(body: SubmitEpisodes, settings: Settings) -> NewBatch:
     sampling_params = body.sampling_params.to_sglang()
     return NewBatch(
+        agent_idle_seconds=settings.external_idle_seconds if body.env == EXTERNAL_ENV else None,
         batch_id=body.batch_id or uuid.uuid4().hex,
         request_hash=request_hash(body),
         env=body.env,
@@ -124,10 +144,12 @@ def new_batch(body: SubmitEpisodes) -> NewBatch:
         202: {"links": SUBMIT_LINKS},
     },
 )
-async def submit_episodes(body: SubmitEpisodes, services: ServicesDep) -> SubmitAccepted:
-    """Queue `samples_per_task` episodes of each task; the samples of one task form one group."""
+async def submit_episodes(body: SubmitEpisodes, services: ServicesDep, request: Request) -> SubmitAccepted:
+    """Queue `samples_per_task` episodes of each task; the samples of one task form one group.
+    Env `external`: the episodes wait for external agents instead, each at its own OpenAI
+    endpoint (`agents`); `task_indices` and `task_split` are then the caller's labels."""
     validate_submission(body, services)
-    batch = new_batch(body)
+    batch = new_batch(body, services.settings)
     try:
         submission = await submit_batch(services.database, batch)
     except BatchConflict as error:
@@ -136,8 +158,17 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep) -> Submit
         services.metrics.episodes_submitted(len(submission.episode_ids))
         if services.worker is not None:
             services.worker.wake()
+    agents = None
+    if body.env == EXTERNAL_ENV:
+        tokens = await agent_tokens(services.database, submission.episode_ids)
+        base = str(request.base_url).rstrip("/")
+        agents = [
+            AgentEndpoint(episode_id=episode_id, base_url=f"{base}/v1/episodes/{episode_id}", api_key=token)
+            for episode_id in submission.episode_ids
+            if (token := tokens.get(episode_id)) is not None
+        ]
     return SubmitAccepted(
-        batch_id=batch.batch_id, episode_ids=submission.episode_ids, created=submission.created
+        batch_id=batch.batch_id, episode_ids=submission.episode_ids, created=submission.created, agents=agents
     )
 
 
@@ -149,7 +180,7 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep) -> Submit
 )
 async def get_episode(
     services: ServicesDep,
-    episode_id: Annotated[str, Path(max_length=128, pattern=ID_PATTERN)],
+    episode_id: EpisodeId,
     wait: Annotated[
         float, Query(ge=0, description="Long-poll: seconds to wait for the episode to finish.")
     ] = 0,
@@ -165,6 +196,35 @@ async def get_episode(
         await long_poll(services, wait, finished)
     async with services.database.reader() as session:
         episode = await session.get(Episode, episode_id)
+        earlier: list[EpisodeSegment] = []
+        if episode is not None and episode.segments > 1:
+            earlier = list(
+                await session.scalars(
+                    select(EpisodeSegment)
+                    .where(EpisodeSegment.episode_id == episode_id)
+                    .order_by(EpisodeSegment.segment)
+                )
+            )
     if episode is None:
         raise NotFound(f"no episode {episode_id!r}")
-    return episode_detail(episode)
+    return episode_detail(episode, earlier)
+
+
+@router.get(
+    "/episodes/{episode_id}/tokens",
+    operation_id="get_episode_tokens",
+    response_model=EpisodeTokenView,
+    responses=responses(NotFound, DatabaseUnavailable),
+)
+async def get_episode_tokens(services: ServicesDep, episode_id: EpisodeId) -> EpisodeTokenView:
+    """The response's tokens as text (the service's tokenizer, one token at a time) beside their
+    ids, loss mask and logprobs, and where each generate call's tokens lie: what the viewer's token
+    view draws. 404 for an unknown episode or one that stored no tokens (yet)."""
+    async with services.database.reader() as session:
+        episode = await session.get(Episode, episode_id)
+    view = None if episode is None else await episode_token_view(episode, services.token_texts)
+    if view is None:
+        raise NotFound(
+            f"no episode {episode_id!r}" if episode is None else f"episode {episode_id!r} has no tokens"
+        )
+    return view

@@ -11,6 +11,24 @@ from service.api.errors import PayloadTooLarge, ServiceError, Unauthorized, erro
 from service.config import Settings
 
 PUBLIC_PATHS = frozenset({"/health"})
+# Pages and what they load, none of it data: the viewer (which asks for a key and sends it to the
+# JSON API) and the API docs with the contract they render (openapi.yaml is public anyway).
+PUBLIC_PAGES = frozenset({"/", "/ui", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
+PUBLIC_PREFIXES = ("/ui/", "/docs/assets/")
+
+
+# External agents' OpenAI endpoints: each episode's own token opens it, checked by its routes
+# (api/agents.py), which take an API key too.
+AGENT_PREFIX = "/v1/episodes/"
+
+
+def is_public(path: str) -> bool:
+    return (
+        path in PUBLIC_PATHS
+        or path in PUBLIC_PAGES
+        or path.startswith(PUBLIC_PREFIXES)
+        or path.startswith(AGENT_PREFIX)
+    )
 
 
 class BodyTooLarge(HTTPException):
@@ -34,7 +52,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.api_keys and scope["path"] not in PUBLIC_PATHS and not self._authorized(headers):
+        if self.api_keys and not is_public(scope["path"]) and not self._authorized(headers):
             await self._reject(
                 Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'"),
                 scope,

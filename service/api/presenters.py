@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import asdict
 from itertools import accumulate
 from typing import Any
 
@@ -20,13 +21,20 @@ from sqlalchemy import Row
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from service.api.schemas import BatchGroupOut, BatchOut, EpisodeDetail, GroupsOut, RewardStatsOut
+from service.api.schemas import (
+    BatchGroupOut,
+    BatchOut,
+    EpisodeDetail,
+    GroupsOut,
+    RewardStatsOut,
+    SegmentOut,
+)
 from service.app_state import GroupSummaries
 from service.records import FINISHED_STATUSES, TurnRecord
 from service.storage import blobs
 from service.storage.batch_rows import BatchHead, BatchRows, EpisodeColumns, EpisodeRows
 from service.storage.groups import GroupPage, RewardStats
-from service.storage.models import Episode
+from service.storage.models import Batch, Episode, EpisodeSegment, EpisodeTokens
 
 ARROW_STREAM_MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 
@@ -81,7 +89,16 @@ def token_version_codes(
     return codes, list(versions)
 
 
-def episode_detail(episode: Episode) -> EpisodeDetail:
+def segment_out(segment: EpisodeSegment) -> SegmentOut:
+    tokens = EpisodeTokens.decoded(
+        segment.prompt_ids, segment.response_ids, segment.loss_mask, segment.rollout_logprobs
+    )
+    return SegmentOut(
+        segment=segment.segment, **asdict(tokens), turns=segment.turns, messages=segment.messages
+    )
+
+
+def episode_detail(episode: Episode, earlier: Sequence[EpisodeSegment] = ()) -> EpisodeDetail:
     tokens = _token_fields(episode)
     turns = [TurnRecord(**turn) for turn in episode.turns or []]
     token_versions = None
@@ -109,7 +126,22 @@ def episode_detail(episode: Episode) -> EpisodeDetail:
         created_at=episode.created_at,
         started_at=episode.started_at,
         finished_at=episode.finished_at,
+        segment=episode.segments - 1,
+        segments=episode.segments,
+        earlier_segments=[segment_out(segment) for segment in earlier],
     )
+
+
+def batch_info(batch: Batch) -> dict[str, Any]:
+    """BatchInfo's fields of a stored batch."""
+    return {
+        "batch_id": batch.id,
+        "env": batch.env,
+        "task_split": batch.task_split,
+        "metadata": batch.metadata_,
+        "created_at": batch.created_at,
+        "cancelled_at": batch.cancelled_at,
+    }
 
 
 def batch_json_head(head: BatchHead) -> tuple[bytes, bytes]:
@@ -149,7 +181,7 @@ def groups_page_json(page: GroupPage, episodes: Sequence[Row[Any]]) -> bytes:
     rows with batch_id, by group in the page's order, then sample)."""
     items: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in episodes:
-        item = _summary_item(row[: len(SUMMARY_FIELDS)])
+        item = summary_item(row[: len(SUMMARY_FIELDS)])
         items.setdefault((row.batch_id, row.group_index), []).append(item)
     groups = [
         {
@@ -194,7 +226,7 @@ SUMMARY_FIELDS = (
 )
 
 
-def _summary_item(values: Sequence[Any]) -> dict[str, Any]:
+def summary_item(values: Sequence[Any]) -> dict[str, Any]:
     """An EpisodeSummary from values in SUMMARY_FIELDS' order, the token arrays' lengths in bytes."""
     item = dict(zip(SUMMARY_FIELDS, values, strict=True))
     item["prompt_length"] = _byte_length(item["prompt_length"], blobs.ID_BYTES)
@@ -207,7 +239,7 @@ def group_summaries_json(rows: Sequence[Row[Any]]) -> dict[int, bytes]:
     items, by group index."""
     items: dict[int, list[bytes]] = {}
     for row in rows:
-        items.setdefault(row.group_index, []).append(orjson.dumps(_summary_item(row)))
+        items.setdefault(row.group_index, []).append(orjson.dumps(summary_item(row)))
     return {group: b",".join(texts) for group, texts in items.items()}
 
 
@@ -237,7 +269,7 @@ def episodes_with_tokens_json(columns: EpisodeColumns) -> bytes:
         prompt, response = columns.prompt_ids[index], columns.response_ids[index]
         text = columns.turns_json[index]
         turns = (orjson.loads(text) if text is not None else None) or []
-        item = _summary_item(
+        item = summary_item(
             (
                 columns.episode_id[index],
                 columns.status[index],
@@ -258,6 +290,8 @@ def episodes_with_tokens_json(columns: EpisodeColumns) -> bytes:
             "loss_mask": _numbers(columns.loss_mask[index], blobs.MASK_DTYPE),
             "rollout_logprobs": _numbers(columns.rollout_logprobs[index], blobs.LOGPROB_DTYPE),
             "weight_versions": [turn.get("weight_version") for turn in turns],
+            "segment": columns.segment[index],
+            "segments": columns.segments[index],
         }
         items.append(orjson.dumps(item, option=orjson.OPT_SERIALIZE_NUMPY))
     return b",".join(items)
@@ -285,6 +319,9 @@ ARROW_SCHEMA = pa.schema(
         ("error", pa.string()),
         ("messages_json", pa.string()),
         ("info_json", pa.string()),
+        # An external agent's episode may have several segments, a row each (service/agents).
+        ("segment", pa.int32()),
+        ("segments", pa.int32()),
     ],
     metadata={"format": "rollout-service episodes v1"},
 )
@@ -380,6 +417,8 @@ def arrow_record_batch(columns: EpisodeColumns) -> pa.Buffer:
         pa.array(columns.error, pa.string()),
         pa.array([_json_text(text) for text in columns.messages_json], pa.string()),
         pa.array([_json_text(text) for text in columns.info_json], pa.string()),
+        pa.array(columns.segment, pa.int32()),
+        pa.array(columns.segments, pa.int32()),
     ]
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, ARROW_SCHEMA) as writer:

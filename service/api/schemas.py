@@ -175,10 +175,21 @@ class SubmitEpisodes(BaseModel):
     )
 
 
+class AgentEndpoint(BaseModel):
+    """Where an external agent plays one episode: `OpenAI(base_url=base_url, api_key=api_key)`."""
+
+    episode_id: str
+    base_url: str = Field(description="The episode's OpenAI base URL: <service>/v1/episodes/{id}.")
+    api_key: str = Field(description="The episode's own bearer token (its agent needs no API key).")
+
+
 class SubmitAccepted(BaseModel):
     batch_id: str
     episode_ids: list[str] = Field(description="Ordered by task (group), then sample.")
     created: bool = Field(description="False when this was an idempotent resubmission.")
+    agents: list[AgentEndpoint] | None = Field(
+        default=None, description="Env `external`: each episode's OpenAI endpoint, as episode_ids."
+    )
 
 
 class EpisodeSummary(BaseModel):
@@ -201,10 +212,29 @@ class EpisodeTokensOut(BaseModel):
     loss_mask: list[int] | None
     rollout_logprobs: list[float] | None
     weight_versions: list[str | None]
+    segment: int = Field(
+        default=0, description="Which segment of its episode these tokens are (external agents)."
+    )
+    segments: int = Field(
+        default=1,
+        description="Its episode's segments: an external agent that rewrote its history has several.",
+    )
 
 
 class EpisodeWithTokens(EpisodeSummary, EpisodeTokensOut):
     """A batch entry with `include_tokens=true`."""
+
+
+class SegmentOut(BaseModel):
+    """An earlier segment of an external agent's episode: a training sample of its own."""
+
+    segment: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    turns: list[dict[str, Any]]
+    messages: list[dict[str, Any]]
 
 
 class EpisodeDetail(EpisodeWithTokens):
@@ -226,6 +256,9 @@ class EpisodeDetail(EpisodeWithTokens):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    earlier_segments: list[SegmentOut] = Field(
+        default_factory=list, description="The segments before the last (whose tokens are above), in order."
+    )
 
 
 class RewardStatsOut(BaseModel):
@@ -265,6 +298,62 @@ class BatchOut(BaseModel):
         description="Episodes of complete groups only: a group arrives whole, once all its samples ended. "
         "With include_tokens=true each carries its token arrays."
     )
+
+
+class BatchInfo(BaseModel):
+    """A batch's own fields, as its request stored them."""
+
+    batch_id: str
+    env: str
+    task_split: str
+    metadata: dict[str, Any]
+    created_at: datetime
+    cancelled_at: datetime | None
+
+
+class BatchListItem(BatchInfo):
+    counts: dict[str, int] = Field(description="Episodes per status.")
+    total: int
+    reward_mean: float | None = Field(description="Over its episodes that have a reward so far.")
+
+
+class BatchListOut(BaseModel):
+    batches: list[BatchListItem] = Field(description="Newest first.")
+    next: str | None = Field(
+        description="`before=` this for the next (older) page; null: this is the last page."
+    )
+
+
+class BatchEpisodesOut(BatchInfo):
+    episodes: list[EpisodeSummary] = Field(
+        description="By group, then sample: every status, or those asked for."
+    )
+
+
+class TokenTurnOut(BaseModel):
+    """One generate call's sampled tokens in the response: response_ids[start:end] holds them (with
+    the context tokens between them, mask 0, when the template put any there)."""
+
+    turn: int
+    resume: int
+    weight_version: str | None
+    start: int
+    end: int
+    engine_seconds: float
+    env_seconds: float
+
+
+class EpisodeTokenView(BaseModel):
+    """An episode's tokens as text, decoded by the service's tokenizer one token at a time (a token
+    that holds part of a multi-byte character reads as U+FFFD)."""
+
+    episode_id: str
+    prompt_text: str = Field(description="The prompt, decoded whole.")
+    response_ids: list[int]
+    response_tokens: list[str] = Field(description="Each response token's text.")
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    turns: list[TokenTurnOut] = Field(description="The generate calls, in order.")
 
 
 class GroupOut(BaseModel):

@@ -161,44 +161,21 @@ class EpisodeRunner:
     async def _generate(
         self, episode: _Episode, turn: int, params: dict[str, Any]
     ) -> tuple[Generation, list[int]]:
-        """The turn's generation, resumed after every engine abort (a weight update, a pause):
-        each call continues from prompt + everything sampled so far, with what is left of
-        max_new_tokens, so no sampled token is lost or sampled twice. Returns the last call's
-        generation and every id the turn sampled; that generation is an abort only if the engine
-        refused the request (an abort with a 4xx status: not resumed) or MAX_TURN_RESUMES ran out."""
-        trajectory, spec = episode.trajectory, episode.spec
-        max_new_tokens = params["max_new_tokens"]
-        sampled: list[int] = []
-        for resume in range(self.max_turn_resumes + 1):
-            started = time.perf_counter()
-            rid = spec.rid(turn) if resume == 0 else f"{spec.rid(turn)}.{resume}"
-            call_params = params | {"max_new_tokens": max_new_tokens - len(sampled)}
-            generation = await self.engine.generate(
-                trajectory.input_ids(), call_params, rid, input_ids_json=trajectory.input_ids_json()
-            )
-            episode.turns.append(
-                TurnRecord(
-                    turn=turn,
-                    weight_version=generation.weight_version,
-                    finish_reason=generation.finish_reason,
-                    output_tokens=len(generation.output_ids),
-                    engine_seconds=time.perf_counter() - started,
-                    has_logprobs=generation.has_logprobs,
-                    resume=resume,
-                )
-            )
-            trajectory.add_sampled(generation.output_ids, generation.logprobs)
-            sampled += generation.output_ids
-            number = version_number(generation.weight_version)
+        calls = len(episode.turns)
+        generation, sampled = await sample_turn(
+            self.engine,
+            episode.trajectory,
+            episode.turns,
+            turn,
+            episode.spec.rid(turn),
+            params,
+            self.max_turn_resumes,
+        )
+        for record in episode.turns[calls:]:
+            number = version_number(record.weight_version)
             if number is not None and (self.newest_version is None or number > self.newest_version):
                 self.newest_version = number
-            if not generation.interrupted:
-                return generation, sampled
-            if len(sampled) >= max_new_tokens:  # aborted on its last allowed token: cut as by length
-                length = {"type": "length", "length": max_new_tokens}
-                return replace(generation, finish_type="length", finish_reason=length), sampled
-            logger.info("turn %s aborted by the engine after %d tokens; resuming", rid, len(sampled))
-        return generation, sampled  # still aborted: the resumes ran out
+        return generation, sampled
 
     async def _turn(self, episode: _Episode, session: EnvSession, turn: int) -> EpisodeStatus | None:
         """Plays one turn; returns the episode's final status if the turn ended it."""
@@ -265,6 +242,52 @@ class EpisodeRunner:
         episode.messages.extend(answers)
         trajectory.add_context(self.chat.messages_ids(answers))
         return EpisodeStatus.COMPLETED if done else None
+
+
+async def sample_turn(
+    engine: Engine,
+    trajectory: Trajectory,
+    turns: list[TurnRecord],
+    turn: int,
+    rid: str,
+    params: dict[str, Any],
+    max_turn_resumes: int,
+) -> tuple[Generation, list[int]]:
+    """One turn's generation, resumed after every engine abort (a weight update, a pause): each
+    call continues from prompt + everything sampled so far, with what is left of max_new_tokens,
+    so no sampled token is lost or sampled twice. Each call is added to `trajectory` (its ids,
+    mask 1) and recorded in `turns`. Returns the last call's generation and every id the turn
+    sampled; that generation is an abort only if the engine refused the request (an abort with a
+    4xx status: not resumed) or `max_turn_resumes` ran out."""
+    max_new_tokens = params["max_new_tokens"]
+    sampled: list[int] = []
+    for resume in range(max_turn_resumes + 1):
+        started = time.perf_counter()
+        call_rid = rid if resume == 0 else f"{rid}.{resume}"
+        call_params = params | {"max_new_tokens": max_new_tokens - len(sampled)}
+        generation = await engine.generate(
+            trajectory.input_ids(), call_params, call_rid, input_ids_json=trajectory.input_ids_json()
+        )
+        turns.append(
+            TurnRecord(
+                turn=turn,
+                weight_version=generation.weight_version,
+                finish_reason=generation.finish_reason,
+                output_tokens=len(generation.output_ids),
+                engine_seconds=time.perf_counter() - started,
+                has_logprobs=generation.has_logprobs,
+                resume=resume,
+            )
+        )
+        trajectory.add_sampled(generation.output_ids, generation.logprobs)
+        sampled += generation.output_ids
+        if not generation.interrupted:
+            return generation, sampled
+        if len(sampled) >= max_new_tokens:  # aborted on its last allowed token: cut as by length
+            length = {"type": "length", "length": max_new_tokens}
+            return replace(generation, finish_type="length", finish_reason=length), sampled
+        logger.info("turn %s aborted by the engine after %d tokens; resuming", call_rid, len(sampled))
+    return generation, sampled  # still aborted: the resumes ran out
 
 
 class _Episode:

@@ -10,8 +10,10 @@ costs what its new message costs, not what the conversation costs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -193,6 +195,23 @@ class ChatTokenizer:
                 del self._prompts[next(iter(self._prompts))]  # the oldest
         return list(ids)
 
+    def conversation_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        """A whole conversation as the template renders it, with the next generation header, and
+        nothing of this service's own (no tool instruction): an external agent's prompt. The
+        samples of a group share theirs: it is rendered once (the cache of prompt_ids)."""
+        key = ("", json.dumps([messages, tools], sort_keys=True), "conversation")
+        ids = self._prompts.get(key)
+        if ids is None:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
+            ids = self._prompts[key] = self.encode(str(text))
+            while len(self._prompts) > PROMPT_CACHE_SIZE:
+                del self._prompts[next(iter(self._prompts))]  # the oldest
+        return list(ids)
+
     def closing_ids(self, sampled_ids: list[int]) -> list[int]:
         """Template tokens that end the assistant turn after `sampled_ids`, less what the model sampled.
 
@@ -261,3 +280,27 @@ class ChatTokenizer:
         if text.count(content) != 1:
             raise ChatTemplateError("the chat template does not render an assistant message's content once")
         return text[text.index(content) + len(content) :]
+
+
+class TokenTexts:
+    """Token id -> its text, one token decoded alone (special tokens kept). `tokenizer` gives the
+    tokenizer, loaded on first use: a process that only serves the API loads it only if asked."""
+
+    def __init__(self, tokenizer: Callable[[], Awaitable[HFTokenizer]]) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}  # bounded by the vocabulary
+
+    async def texts(self, ids: Sequence[int]) -> list[str]:
+        missing = set(ids).difference(self._texts)
+        if missing:
+            tokenizer = await self._tokenizer()
+            decoded = await asyncio.to_thread(
+                lambda: {token: tokenizer.decode([token], skip_special_tokens=False) for token in missing}
+            )
+            self._texts.update(decoded)
+        return [self._texts[token] for token in ids]
+
+    async def whole(self, ids: list[int]) -> str:
+        """The text of `ids` decoded together (multi-byte characters whole)."""
+        tokenizer = await self._tokenizer()
+        return await asyncio.to_thread(lambda: tokenizer.decode(ids, skip_special_tokens=False))

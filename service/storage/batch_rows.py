@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from service.records import FINISHED_STATUSES, EpisodeStatus
 from service.storage.db import IN_LIST_CHUNK, Database
 from service.storage.groups import RewardStats
-from service.storage.models import TOKEN_COLUMNS, Batch, Episode
+from service.storage.models import TOKEN_COLUMNS, Batch, Episode, EpisodeSegment
 
 # Token blob bytes per chunk: what one pull holds in memory at a time, a few times over (the rows,
 # the record batch being built, the one being sent).
@@ -48,6 +48,10 @@ class EpisodeColumns:
     turns_json: Sequence[str | None]
     messages_json: Sequence[str | None]
     info_json: Sequence[str | None]
+    # An external agent's episode can have several segments (service/agents): each is a row of its
+    # own, the row of the episode itself being its last segment.
+    segment: Sequence[int]
+    segments: Sequence[int]
 
     def __len__(self) -> int:
         return len(self.episode_id)
@@ -58,11 +62,27 @@ def _source(name: str) -> ColumnElement[Any]:
     # here would only be undone there.
     if name.endswith("_json"):
         return cast(Episode.__table__.c[name.removesuffix("_json")], Text)
+    if name == "segment":
+        return (Episode.segments - 1).label("segment")
     return Episode.__table__.c["id" if name == "episode_id" else name]
 
 
 # The select list, in the order of EpisodeColumns' fields.
 _SELECTED = [_source(field.name) for field in fields(EpisodeColumns)]
+_COLUMN_NAMES = [field.name for field in fields(EpisodeColumns)]
+# What a segment has of its own; the rest of its row is its episode's.
+_SEGMENT_OWN = (*(column.key for column in TOKEN_COLUMNS), "turns_json", "messages_json")
+_SEGMENT_SELECTED = [
+    EpisodeSegment.episode_id,
+    EpisodeSegment.segment,
+    EpisodeSegment.prompt_ids,
+    EpisodeSegment.response_ids,
+    EpisodeSegment.loss_mask,
+    EpisodeSegment.rollout_logprobs,
+    cast(EpisodeSegment.turns, Text).label("turns_json"),
+    cast(EpisodeSegment.messages, Text).label("messages_json"),
+    func.json_array_length(EpisodeSegment.turns).label("calls"),
+]
 # What an episode's token blobs weigh, read without reading them (from the row or TOAST header).
 _TOKEN_BYTES = reduce(operator.add, [func.coalesce(func.length(column), 0) for column in TOKEN_COLUMNS])
 # An episode's summary: its scalar columns and its token arrays' sizes in bytes, the blobs unread.
@@ -121,7 +141,29 @@ class EpisodeRows:
             )
             position = {episode_id: index for index, episode_id in enumerate(ids)}
             rows.sort(key=lambda row: position[row[0]])  # by primary key: no server-side sort of blobs
+            if any(row.segments > 1 for row in rows):
+                rows = await self._with_earlier_segments(rows)
             yield EpisodeColumns(*zip(*rows, strict=True))
+
+    async def _with_earlier_segments(self, rows: list[Row[Any]]) -> list[Any]:
+        """The rows with each episode's earlier segments before it, as rows of their own."""
+        rows_by_name = [dict(zip(_COLUMN_NAMES, row, strict=True)) for row in rows]
+        several = [row["episode_id"] for row in rows_by_name if row["segments"] > 1]
+        earlier: dict[str, list[Row[Any]]] = {}
+        for segment in await self._connection.execute(
+            select(*_SEGMENT_SELECTED)
+            .where(EpisodeSegment.episode_id.in_(several))
+            .order_by(EpisodeSegment.segment)
+        ):
+            earlier.setdefault(segment.episode_id, []).append(segment)
+        spliced: list[Any] = []
+        for row, values in zip(rows, rows_by_name, strict=True):
+            for segment in earlier.get(values["episode_id"], ()):
+                own = {name: getattr(segment, name) for name in _SEGMENT_OWN}
+                own |= {"segment": segment.segment, "num_turns": segment.calls}
+                spliced.append(tuple((values | own)[name] for name in _COLUMN_NAMES))
+            spliced.append(row)
+        return spliced
 
     async def aclose(self) -> None:
         """Ends the read transaction and returns the connection; safe to call more than once."""

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import defer
 
 from service.records import FINISHED_STATUSES, EpisodeRequest, EpisodeStatus
-from service.storage import groups
+from service.storage import agents, groups
 from service.storage.db import Database, utcnow
 from service.storage.models import TOKEN_COLUMNS, Batch, Episode
 
@@ -40,6 +40,9 @@ class NewBatch:
     task_split: str
     metadata: dict[str, Any]
     episodes: Sequence[NewEpisode]
+    # External agents' episodes (env `external`): they start running, waiting for their agent's
+    # first call, each with its own token; idle this long, they fail (see storage/agents.py).
+    agent_idle_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,11 @@ async def enqueue_batch(session: AsyncSession, new: NewBatch, *, now: datetime |
                     "attempt": 0,
                     "failures": 0,
                     "created_at": now,
+                    **(
+                        {}
+                        if new.agent_idle_seconds is None
+                        else agents.waiting_for_agent(now, new.agent_idle_seconds)
+                    ),
                 }
                 for episode in new.episodes
             ],

@@ -154,6 +154,7 @@ class Database:
     sessionmaker: async_sessionmaker[AsyncSession]
     reader: async_sessionmaker[AsyncSession]
     writer: Writer  # the process's writes, on one connection, committed in groups
+    read_only: AsyncEngine  # the readers' engine: Core reads on the hot path skip the ORM session
     status: DatabaseStatus = field(default_factory=DatabaseStatus, compare=False)
 
     @classmethod
@@ -175,6 +176,7 @@ class Database:
             sessionmaker=sessionmaker,
             reader=make_sessionmaker(read_only),
             writer=Writer(sessionmaker),
+            read_only=read_only,
         )
 
     async def check(self, timeout_seconds: float = CHECK_TIMEOUT_SECONDS) -> str:

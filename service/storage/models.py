@@ -69,6 +69,7 @@ class Base(DeclarativeBase):
 
 class Batch(Base):
     __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_created_at_id", "created_at", "id"),)  # newest first: GET /batches
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
     # Hash of the normalized request: a resubmission with the same id and hash gets the same
@@ -92,6 +93,18 @@ class EpisodeTokens:
     response_ids: list[int]
     loss_mask: list[int]
     rollout_logprobs: list[float]
+
+    @classmethod
+    def decoded(
+        cls, prompt_ids: bytes, response_ids: bytes, loss_mask: bytes | None, rollout_logprobs: bytes | None
+    ) -> EpisodeTokens:
+        """From the stored blobs (see `blobs`)."""
+        return cls(
+            prompt_ids=blobs.decode_ids(prompt_ids),
+            response_ids=blobs.decode_ids(response_ids),
+            loss_mask=blobs.decode_mask(loss_mask or b""),
+            rollout_logprobs=blobs.decode_logprobs(rollout_logprobs or b""),
+        )
 
 
 class Episode(Base):
@@ -147,6 +160,11 @@ class Episode(Base):
     created_at: Mapped[datetime]
     started_at: Mapped[datetime | None]  # start of the latest attempt
     finished_at: Mapped[datetime | None]
+    # An external agent's episode (env `external`): the bearer token of its OpenAI endpoint, and
+    # how many segments it has (a rewritten history starts one). This row holds the last segment;
+    # EpisodeSegment rows the ones before it.
+    agent_token: Mapped[str | None] = mapped_column(String(64))
+    segments: Mapped[int] = mapped_column(Integer, server_default="1")
 
     batch: Mapped[Batch] = relationship(back_populates="episodes", lazy="raise")
 
@@ -157,11 +175,8 @@ class Episode(Base):
         """The decoded token arrays, or None when the episode stored none (unfinished, failed)."""
         if self.prompt_ids is None or self.response_ids is None:
             return None
-        return EpisodeTokens(
-            prompt_ids=blobs.decode_ids(self.prompt_ids),
-            response_ids=blobs.decode_ids(self.response_ids),
-            loss_mask=blobs.decode_mask(self.loss_mask or b""),
-            rollout_logprobs=blobs.decode_logprobs(self.rollout_logprobs or b""),
+        return EpisodeTokens.decoded(
+            self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs
         )
 
 
@@ -193,3 +208,19 @@ class Group(Base):
 # The columns that hold an EpisodeRequest, named as its fields.
 REQUEST_COLUMNS = tuple(Episode.__table__.c[field.name] for field in fields(EpisodeRequest))
 TOKEN_COLUMNS = (Episode.prompt_ids, Episode.response_ids, Episode.loss_mask, Episode.rollout_logprobs)
+
+
+class EpisodeSegment(Base):
+    """A closed segment of an external agent's episode: a training sample of its own (its own
+    prompt) that shares the episode's id, reward and status (see service/agents)."""
+
+    __tablename__ = "episode_segments"
+
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True)
+    segment: Mapped[int] = mapped_column(Integer, primary_key=True)
+    prompt_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    response_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    loss_mask: Mapped[bytes] = mapped_column(LargeBinary)
+    rollout_logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    turns: Mapped[list[Any]] = mapped_column(JSON)
+    messages: Mapped[list[Any]] = mapped_column(JSON)

@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.storage import blobs
+from service.storage.agents import EXTERNAL_OWNER
 from service.storage.db import IN_LIST_CHUNK, utcnow
 from service.storage.models import REQUEST_COLUMNS, Batch, Episode
 from service.storage.writer import Transactions
@@ -177,7 +178,11 @@ async def requeue_expired(
     under load, and re-queuing them would throw their work away.
     """
     now = now or utcnow()
-    expired: tuple[ColumnElement[bool], ...] = (Episode.status == _RUNNING, Episode.lease_expires_at < now)
+    expired: tuple[ColumnElement[bool], ...] = (
+        Episode.status == _RUNNING,
+        Episode.lease_expires_at < now,
+        Episode.lease_owner != EXTERNAL_OWNER,  # waits for its agent: see storage/agents.py
+    )
     if spare_owner is not None:
         expired = (*expired, Episode.lease_owner != spare_owner)
     used_up = Episode.failures + 1 >= max_attempts

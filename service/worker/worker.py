@@ -23,7 +23,7 @@ from service.config import Settings
 from service.logs import EPISODE_LOG_FIELDS
 from service.loop.runner import EpisodeRunner
 from service.records import EpisodeResult
-from service.storage import queue
+from service.storage import agents, queue
 from service.storage.db import Database
 from service.storage.queue import ClaimedEpisode
 
@@ -276,6 +276,14 @@ class EpisodeWorker:
                     if count:
                         logger.info("re-queued %d episodes whose lease expired", count)
                         self.wake()
+                try:
+                    idle = await agents.expire_idle_agents(self.database)
+                except DATABASE_ERRORS as error:
+                    self.database.status.failed(error)
+                    logger.exception("sweeping idle external agents failed; retrying")
+                else:
+                    if idle:  # their groups are logged by the group log's sweep
+                        logger.info("%d external episodes failed: %s", len(idle), agents.IDLE_ERROR)
             await asyncio.sleep(self.settings.sweep_interval_seconds)
 
     async def _cancelled_loop(self) -> None:

@@ -43,16 +43,27 @@ def _call_order(request: SimRequest) -> tuple[int, int]:
     return int(turn), int(resume or 0)
 
 
+def generate_call(request: SimRequest) -> GenerateCall:
+    """What one answered request of the simulated worker carried and sampled."""
+    assert request.response_body is not None
+    pairs = json.loads(request.response_body)["meta_info"]["output_token_logprobs"]
+    return GenerateCall(request.input_ids, [p[1] for p in pairs], [p[0] for p in pairs])
+
+
 def sim_calls(sim: SimWorker, episode_id: str, attempt: int) -> list[GenerateCall]:
     """The generate calls the simulated worker answered for one attempt of one episode, in order."""
     prefix = f"{episode_id}:{attempt}:"
-    calls = []
-    for request in sorted((r for r in sim.requests if r.rid.startswith(prefix)), key=_call_order):
-        assert request.response_body is not None
-        meta = json.loads(request.response_body)["meta_info"]
-        pairs = meta["output_token_logprobs"]
-        calls.append(GenerateCall(request.input_ids, [p[1] for p in pairs], [p[0] for p in pairs]))
-    return calls
+    return [
+        generate_call(request)
+        for request in sorted((r for r in sim.requests if r.rid.startswith(prefix)), key=_call_order)
+    ]
+
+
+def assert_tokens_match_calls(tokens: dict[str, Any], calls: list[GenerateCall]) -> None:
+    """The trainer contract over token arrays as the API answers them (an episode, or a segment)."""
+    assert_trainer_contract(
+        tokens["prompt_ids"], tokens["response_ids"], tokens["loss_mask"], tokens["rollout_logprobs"], calls
+    )
 
 
 def assert_stored_episode_matches_sim(sim: SimWorker, episode: dict[str, Any]) -> None:
@@ -61,10 +72,4 @@ def assert_stored_episode_matches_sim(sim: SimWorker, episode: dict[str, Any]) -
     calls = sim_calls(sim, episode["id"], episode["attempt"])
     assert len(calls) == len(episode["turns"]) == len(episode["weight_versions"]) > 0
     assert episode["num_turns"] == sum(1 for turn in episode["turns"] if turn["resume"] == 0)
-    assert_trainer_contract(
-        episode["prompt_ids"],
-        episode["response_ids"],
-        episode["loss_mask"],
-        episode["rollout_logprobs"],
-        calls,
-    )
+    assert_tokens_match_calls(episode, calls)

@@ -1,0 +1,195 @@
+"""External agents: thousands of OpenAI-API agents in flight through their episodes' endpoints.
+
+`python -m service serve` and the simulated SGLang worker each run in their own process. One batch
+of N `external` episodes is opened; N agents (raw httpx sending what the `openai` package sends,
+sharing one connection pool, in this process) each make `--calls` chat completions, extending their
+conversation every time, then finish. Meanwhile /health is probed. Measured: calls/s, the service's
+CPU per call against a bare client's CPU per /generate call to the same worker (the HTTP call we
+exist to make), the overhead a call adds to the engine's latency, errors, and what was stored
+(every episode complete, one segment, `--calls` calls).
+
+Run from the repo root:
+    .venv/bin/python bench/agents.py [--agents 2000] [--calls 3] [--latency 0.5] [--database sqlite]
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import aiohttp  # noqa: E402
+import httpx  # noqa: E402
+import orjson  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    HealthProbe,
+    cpu_seconds_of,
+    free_port,
+    fresh_database,
+    percentiles_ms,
+    sim_worker,
+    stop,
+    wait_healthy,
+)
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant of an online shop."}
+GOAL = (
+    "thousands of agents in flight, every call recorded, /health answering, CPU per call near the HTTP call's"
+)
+
+
+async def agent(
+    session: aiohttp.ClientSession, endpoint: dict[str, Any], calls: int, latencies: list[float]
+) -> str:
+    """One agent: what the `openai` package sends and reads (tests/test_agents.py drives the
+    package itself), on a plain aiohttp session, so that the bench's own CPU does not limit the
+    service's."""
+    headers = {"Authorization": f"Bearer {endpoint['api_key']}", "Content-Type": "application/json"}
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Where is my order #W1001?"}]
+    try:
+        for call in range(calls):
+            started = time.perf_counter()
+            body = orjson.dumps({"model": "policy", "messages": messages, "max_tokens": 64})
+            async with session.post(
+                f"{endpoint['base_url']}/chat/completions", data=body, headers=headers
+            ) as answer:
+                answer.raise_for_status()
+                content = await answer.read()
+            latencies.append(time.perf_counter() - started)
+            messages.append(orjson.loads(content)["choices"][0]["message"])
+            messages.append({"role": "user", "content": f"Thanks. And then ({call})?"})
+        finish = orjson.dumps({"reward": 1.0})
+        async with session.post(f"{endpoint['base_url']}/finish", data=finish, headers=headers) as finished:
+            finished.raise_for_status()
+        return "ok"
+    except aiohttp.ClientError as error:
+        return type(error).__name__
+
+
+async def bare_calls(sim_url: str, count: int) -> float:
+    """CPU seconds per /generate call of a plain aiohttp session, `count` calls at once."""
+    body = {
+        "input_ids": list(range(1, 400)),
+        "sampling_params": {"max_new_tokens": 64},
+        "return_logprob": True,
+    }
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=count)) as session:
+
+        async def call(number: int) -> None:
+            data = orjson.dumps({**body, "rid": f"bare-{number}"})
+            async with session.post(f"{sim_url}/generate", data=data, headers=headers) as response:
+                await response.read()
+
+        started = time.process_time()
+        await asyncio.gather(*(call(number) for number in range(count)))
+        return (time.process_time() - started) / count
+
+
+async def drive(url: str, service_pid: int, sim_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=args.agents, max_keepalive_connections=args.agents)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+        submitted = await http.post(
+            f"{url}/episodes",
+            json={"env": "external", "task_indices": list(range(args.agents)), "samples_per_task": 1},
+        )
+        submitted.raise_for_status()
+        endpoints = submitted.json()["agents"]
+        health = HealthProbe(url)  # on its own thread: this loop's own lag does not count
+        health.start()
+        latencies: list[float] = []
+        cpu_before, started = cpu_seconds_of(service_pid), time.perf_counter()
+        connector = aiohttp.TCPConnector(limit=args.agents)
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=600)
+        ) as session:
+            outcomes = await asyncio.gather(
+                *(agent(session, endpoint, args.calls, latencies) for endpoint in endpoints)
+            )
+        wall, cpu = time.perf_counter() - started, cpu_seconds_of(service_pid) - cpu_before
+        health_figures = health.stats()
+        batch = (await http.get(f"{url}/batches/{submitted.json()['batch_id']}")).json()
+        stored = Counter((episode["status"], episode["num_turns"]) for episode in batch["episodes"])
+        detail = (await http.get(f"{url}/episodes/{endpoints[0]['episode_id']}")).json()
+    calls = len(latencies)
+    bare = await bare_calls(sim_url, min(args.agents, 1000))
+    cpu_per_call = cpu / max(calls, 1)
+    overhead = [latency - args.latency for latency in latencies]
+    return {
+        "calls": calls,
+        "wall_s": round(wall, 2),
+        "calls_per_s": round(calls / wall, 1),
+        "outcomes": dict(Counter(outcomes)),
+        "stored": {f"{status}, {turns} calls": count for (status, turns), count in stored.items()},
+        "complete": batch["complete"],
+        "segments_of_first": detail["segments"],
+        "service_cpu_ms_per_call": round(1000 * cpu_per_call, 3),
+        "bare_client_cpu_ms_per_call": round(1000 * bare, 3),
+        "cpu_ratio_to_bare_client": round(cpu_per_call / bare, 2),
+        "call_overhead_ms": percentiles_ms(overhead),
+        **health_figures,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--agents", type=int, default=2000)
+    parser.add_argument("--calls", type=int, default=3, help="chat completions per agent")
+    parser.add_argument("--latency", type=float, default=0.5, help="the simulated engine's seconds per call")
+    parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp, sim_worker(args.latency, Path(tmp)) as (sim_url, _):
+        with fresh_database(args.database, Path(tmp), migrate=True) as database_url:
+            port = free_port()
+            log = Path(tmp) / "serve.log"
+            env = {
+                **os.environ,
+                "DATABASE_URL": database_url,
+                "SGLANG_URL": sim_url,
+                "API_KEYS": "",
+                "LOG_LEVEL": "WARNING",
+                "MAX_EPISODES_PER_REQUEST": str(max(10_000, args.agents)),
+            }
+            with log.open("wb") as out:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "service", "serve", "--port", str(port)],
+                    cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True,
+                )  # fmt: skip
+            url = f"http://127.0.0.1:{port}"
+            try:
+                wait_healthy(url, process, log)
+                figures = asyncio.run(drive(url, process.pid, sim_url, args))
+            finally:
+                stop(process)
+            errors = [line for line in log.read_text(errors="replace").splitlines() if '"ERROR"' in line]
+    result = {
+        "bench": "agents",
+        "database": args.database,
+        "agents": args.agents,
+        "calls_per_agent": args.calls,
+        "latency_s": args.latency,
+        "goal": GOAL,
+        **figures,
+        "service_error_log_lines": len(errors),
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""External agents (env `external`) driven by the `openai` package through their episodes' OpenAI
+endpoints: tools, several turns, streaming, a rewritten history (a new segment), finishing, the
+idle timeout, and tokens. An agent that only replays its conversation gets one segment with the
+same invariants as the service's own loop."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pyarrow as pa
+import pytest
+
+from service.app import create_app
+from service.serving import serve_app
+from service.sim.worker import SimConfig, SimRequest, SimWorker, create_sim_app, serve_in_thread
+from tests.conftest import service_settings
+from tests.support.contract import GenerateCall, assert_tokens_match_calls, generate_call, sim_calls
+from tests.support.tokenizer import load_test_tokenizer
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+CALL = (
+    "<think>The user wants the weather.</think>\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+ANSWER = "It is sunny in Paris."
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
+
+
+def weather_policy(prompt: str, key: str) -> str:
+    """Calls the tool until a tool response is in the prompt, then answers."""
+    return ANSWER if "<tool_response>" in prompt.rsplit("<|im_start|>user", 1)[-1] else CALL
+
+
+@pytest.fixture
+def agent_sim() -> Iterator[tuple[SimWorker, str]]:
+    worker = SimWorker(SimConfig(latency_seconds=0.01, policy=weather_policy))
+    with serve_in_thread(create_sim_app(worker.config, worker=worker)) as url:
+        yield worker, url
+
+
+@pytest.fixture
+async def service(database_url: str, agent_sim: tuple[SimWorker, str]) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(service_settings(database_url, agent_sim[1], external_idle_seconds=600))
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        yield http
+
+
+async def open_episodes(http: httpx.AsyncClient, samples: int = 1, **extra: Any) -> list[dict[str, Any]]:
+    body = {
+        "env": "external",
+        "task_split": "weather",
+        "task_indices": [7],
+        "samples_per_task": samples,
+        **extra,
+    }
+    response = await http.post("/episodes", json=body)
+    assert response.status_code == 202, response.text
+    agents: list[dict[str, Any]] = response.json()["agents"]
+    assert [agent["episode_id"] for agent in agents] == response.json()["episode_ids"]
+    return agents
+
+
+def agent_client(agent: dict[str, Any]) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=agent["base_url"], api_key=agent["api_key"], max_retries=0)
+
+
+def as_history(message: Any) -> dict[str, Any]:
+    """The assistant message as an agent appends it to its history."""
+    history: dict[str, Any] = message.model_dump(exclude_none=True)
+    return history
+
+
+async def play(agent: dict[str, Any], *, stream: bool = False) -> list[dict[str, Any]]:
+    """Question, tool call, tool result, answer; returns the conversation."""
+    async with agent_client(agent) as llm:
+        return await converse(llm, stream)
+
+
+async def converse(llm: openai.AsyncOpenAI, stream: bool) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [SYSTEM, QUESTION]
+    first = await llm.chat.completions.create(model="policy", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    assert first.choices[0].finish_reason == "tool_calls"
+    (call,) = first.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert first.usage is not None and first.usage.completion_tokens > 0
+    messages.append(as_history(first.choices[0].message))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"sky": "sunny"})})
+    if stream:
+        chunks = [
+            chunk
+            async for chunk in await llm.chat.completions.create(
+                model="policy",
+                messages=messages,  # type: ignore[arg-type]
+                tools=TOOLS,  # type: ignore[arg-type]
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        ]
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+        finish = [
+            chunk.choices[0].finish_reason
+            for chunk in chunks
+            if chunk.choices and chunk.choices[0].finish_reason
+        ]
+        assert finish == ["stop"] and chunks[-1].usage is not None and chunks[-1].choices == []
+        messages.append({"role": "assistant", "content": text})
+    else:
+        second = await llm.chat.completions.create(model="policy", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+        assert second.choices[0].finish_reason == "stop"
+        text = second.choices[0].message.content or ""
+        messages.append(as_history(second.choices[0].message))
+    assert text == ANSWER
+    return messages
+
+
+async def finish(http: httpx.AsyncClient, agent: dict[str, Any], **body: Any) -> httpx.Response:
+    return await http.post(
+        f"/v1/episodes/{agent['episode_id']}/finish",
+        json=body,
+        headers={"Authorization": f"Bearer {agent['api_key']}"},
+    )
+
+
+def segment_calls(sim: SimWorker, episode: dict[str, Any], turns: list[dict[str, Any]]) -> list[GenerateCall]:
+    calls = sim_calls(sim, episode["id"], 0)
+    return [calls[turn["turn"]] for turn in turns]
+
+
+async def test_an_agent_that_replays_its_conversation_gets_one_exact_segment(
+    service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str]
+) -> None:
+    external = next(env for env in (await service.get("/envs")).json() if env["name"] == "external")
+    assert external["splits"] == {} and "OpenAI" in external["description"]
+    (agent,) = await open_episodes(service)
+    assert agent["base_url"].endswith(f"/v1/episodes/{agent['episode_id']}")
+    await play(agent)
+    assert (await finish(service, agent, reward=1.0, info={"judge": "ok"})).status_code == 200
+
+    episode = (await service.get(f"/episodes/{agent['episode_id']}")).json()
+    assert episode["status"] == "completed" and episode["reward"] == 1.0 and episode["segments"] == 1
+    assert episode["info"] == {"judge": "ok"} and episode["num_turns"] == 2
+    assert episode["earlier_segments"] == []
+    calls = sim_calls(agent_sim[0], episode["id"], 0)
+    assert len(calls) == 2
+    assert_tokens_match_calls(episode, calls)
+    # The prompt is the agent's first messages as the template renders them, with its tools.
+    tokenizer = load_test_tokenizer()
+    rendered = tokenizer.apply_chat_template(
+        [SYSTEM, QUESTION], tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert episode["prompt_ids"] == tokenizer.encode(rendered, add_special_tokens=False)
+    assert [turn["action"] for turn in episode["turns"]] == ["get_weather", None]
+
+    batch = (await service.get(f"/batches/{episode['batch_id']}")).json()
+    assert batch["complete"] and batch["episodes"][0]["reward"] == 1.0
+    metrics = (await service.get("/metrics")).text
+    assert 'rollout_episodes_finished_total{status="completed"} 1.0' in metrics
+
+
+async def test_streamed_answers_are_recorded_the_same(
+    service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str]
+) -> None:
+    (agent,) = await open_episodes(service)
+    await play(agent, stream=True)
+    assert (await finish(service, agent, reward=0.5)).status_code == 200
+    episode = (await service.get(f"/episodes/{agent['episode_id']}")).json()
+    assert episode["segments"] == 1
+    assert_tokens_match_calls(episode, sim_calls(agent_sim[0], episode["id"], 0))
+
+
+async def test_a_rewritten_history_starts_a_new_segment(
+    service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str]
+) -> None:
+    (agent,) = await open_episodes(service)
+    conversation = await play(agent)
+    # The agent summarizes: the tool call and its result are gone from its history.
+    summary = [SYSTEM, {"role": "user", "content": "Earlier: the weather in Paris is sunny. Is it still?"}]
+    async with agent_client(agent) as llm:
+        again = await llm.chat.completions.create(model="policy", messages=summary, tools=TOOLS)  # type: ignore[arg-type]
+    assert again.choices[0].finish_reason == "tool_calls"
+    assert (await finish(service, agent, reward=1.0)).status_code == 200
+
+    episode = (await service.get(f"/episodes/{agent['episode_id']}")).json()
+    assert episode["segments"] == 2 and episode["num_turns"] == 3
+    (earlier,) = episode["earlier_segments"]
+    assert earlier["segment"] == 0 and len(earlier["turns"]) == 2 and len(episode["turns"]) == 1
+    sim = agent_sim[0]
+    for segment in (earlier, episode):
+        assert_tokens_match_calls(segment, segment_calls(sim, episode, segment["turns"]))
+    assert len(conversation) == 5
+
+    arrow = await service.get(
+        f"/batches/{episode['batch_id']}", headers={"Accept": "application/vnd.apache.arrow.stream"}
+    )
+    rows = pa.ipc.open_stream(io.BytesIO(arrow.content)).read_all().to_pylist()
+    assert [(row["episode_id"], row["segment"], row["segments"]) for row in rows] == [
+        (episode["id"], 0, 2),
+        (episode["id"], 1, 2),
+    ]
+    assert (
+        rows[0]["response_ids"] == earlier["response_ids"] and rows[1]["prompt_ids"] == episode["prompt_ids"]
+    )
+    assert rows[0]["reward"] == rows[1]["reward"] == 1.0
+
+
+async def test_each_episode_opens_with_its_own_token_only(
+    database_url: str, agent_sim: tuple[SimWorker, str]
+) -> None:
+    # An API-only process (as `serve --api-processes`) answers agents too: it loads its tokenizer then.
+    app = create_app(service_settings(database_url, agent_sim[1], api_keys="trainer-key", run_worker=False))
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        trainer = {"Authorization": "Bearer trainer-key"}
+        response = await http.post(
+            "/episodes", json={"env": "external", "task_indices": [0], "samples_per_task": 2}, headers=trainer
+        )
+        first, second = response.json()["agents"]
+        path = f"/v1/episodes/{first['episode_id']}/chat/completions"
+        body = {"model": "policy", "messages": [QUESTION]}
+        for headers in ({}, {"Authorization": f"Bearer {second['api_key']}"}, {"Authorization": "Bearer x"}):
+            assert (await http.post(path, json=body, headers=headers)).status_code == 401
+        own = await http.post(path, json=body, headers={"Authorization": f"Bearer {first['api_key']}"})
+        assert own.status_code == 200, own.text
+        assert (await http.post(path, json={**body, "messages": []}, headers=trainer)).status_code == 422
+        # Without the API key the trainer's routes stay closed to an agent's token.
+        assert (
+            await http.get("/batches", headers={"Authorization": f"Bearer {first['api_key']}"})
+        ).status_code == 401
+
+
+async def test_finished_and_idle_episodes_take_no_more_calls(
+    database_url: str, agent_sim: tuple[SimWorker, str]
+) -> None:
+    settings = service_settings(
+        database_url, agent_sim[1], external_idle_seconds=1.0, sweep_interval_seconds=0.2
+    )
+    async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        done, idle = await open_episodes(http, samples=2)
+        refused = await finish(http, done, status="won", reward="1.0")
+        assert refused.status_code == 422 and {tuple(e["loc"]) for e in refused.json()["errors"]} == {
+            ("body", "status"),
+            ("body", "reward"),
+        }
+        assert (await finish(http, done, status="truncated", reward=0.0)).status_code == 200
+        assert (await finish(http, done, reward=1.0)).status_code == 409
+        async with agent_client(done) as llm:
+            with pytest.raises(openai.ConflictError):
+                await llm.chat.completions.create(model="policy", messages=[QUESTION])  # type: ignore[list-item]
+
+        for _ in range(100):  # the idle one fails within a second and a sweep
+            episode = (await http.get(f"/episodes/{idle['episode_id']}")).json()
+            if episode["status"] != "running":
+                break
+            await asyncio.sleep(0.1)
+        assert episode["status"] == "failed" and "timed out" in episode["error"]
+        batch = (await http.get(f"/batches/{episode['batch_id']}", params={"wait": 10})).json()
+        assert batch["complete"] and batch["counts"]["truncated"] == 1 and batch["counts"]["failed"] == 1
+
+
+async def test_calls_through_two_processes_stay_exact(
+    database_url: str, agent_sim: tuple[SimWorker, str]
+) -> None:
+    """Each process keeps what it stored of an episode; a call through the other one makes that
+    stale, and the next call here reads the episode again instead of answering from it."""
+    settings = service_settings(database_url, agent_sim[1], run_worker=False)
+    async with serve_app(create_app(settings)) as first, serve_app(create_app(settings)) as second:
+        async with httpx.AsyncClient(base_url=first, timeout=30) as http:
+            (agent,) = await open_episodes(http)
+        messages: list[dict[str, Any]] = [SYSTEM, QUESTION]
+        for number, url in enumerate((first, second, first)):
+            endpoint = {**agent, "base_url": f"{url}/v1/episodes/{agent['episode_id']}"}
+            async with agent_client(endpoint) as llm:
+                answer = await llm.chat.completions.create(model="policy", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+            messages.append(as_history(answer.choices[0].message))
+            messages.append({"role": "user", "content": f"And tomorrow ({number})?"})
+        async with httpx.AsyncClient(base_url=second, timeout=30) as http:
+            episode = (await http.get(f"/episodes/{agent['episode_id']}")).json()
+    assert episode["num_turns"] == 3 and episode["segments"] == 1
+    # The first process answered the third call from its stale state once (as call 1), then again
+    # from the database; the stale answer was not stored: each turn's first request is the one.
+    stale_rid = f"{agent['episode_id']}:0:1"
+    assert sum(request.rid == stale_rid for request in agent_sim[0].requests) == 2
+    first_requests: dict[str, SimRequest] = {}
+    for request in agent_sim[0].requests:
+        first_requests.setdefault(request.rid, request)
+    calls = [generate_call(first_requests[f"{agent['episode_id']}:0:{turn}"]) for turn in range(3)]
+    assert_tokens_match_calls(episode, calls)

@@ -130,20 +130,22 @@ async def test_generate_fills_the_sample_as_slime_does(
         }  # fmt: skip
 
 
-@pytest.mark.parametrize("answer_delay", [0.0, 2.0], ids=["waiting", "answer-in-flight"])
+@pytest.mark.parametrize("answer_held", [False, True], ids=["waiting", "answer-in-flight"])
 @pytest.mark.parametrize("service", [0.5], indirect=True)  # slow turns: cancelled mid-episode
 async def test_a_cancelled_generate_cancels_its_episode(
-    service: tuple[str, SimWorker], db: Database, answer_delay: float, monkeypatch: pytest.MonkeyPatch
+    service: tuple[str, SimWorker], db: Database, answer_held: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Cancelled while it waits for the episode, or while the POST's answer is still on its way
     (the service took the batch and started the episode, the hook has not heard yet): either way
     the episode ends cancelled and the engine does no more work for it."""
     _, sim = service
     submit = hooks.AsyncRolloutClient.submit
+    cancelled = asyncio.Event()
 
     async def answered_late(self: hooks.AsyncRolloutClient, *args: Any, **kwargs: Any) -> Any:
         submission = await submit(self, *args, **kwargs)
-        await asyncio.sleep(answer_delay)
+        if answer_held:  # the answer reaches the hook only after slime cancelled it
+            await cancelled.wait()
         return submission
 
     monkeypatch.setattr(hooks.AsyncRolloutClient, "submit", answered_late)
@@ -159,6 +161,7 @@ async def test_a_cancelled_generate_cancels_its_episode(
 
     await wait_for(started, 10, "the episode to start")
     task.cancel()
+    cancelled.set()
     with pytest.raises(asyncio.CancelledError):
         await task
     async with db.sessionmaker() as session:

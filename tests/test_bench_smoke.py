@@ -148,6 +148,18 @@ def test_stragglers_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert_positive(result["speedup_vs_whole_batch"]["stream"], "1", "2")
 
 
+def test_slime_step_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("slime_step")
+    returned = bench.main(["--steps", "1", "--batch-size", "2", "--latency", "0.01"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result == json.loads(json.dumps(returned))
+    for way in ("summary_polling", "groups_long_poll"):
+        assert_positive(result[way], "seconds_per_step", "requests_per_step", "mb_read_per_step")
+    # the baseline asks for each episode on its own: at least one request per sample it used
+    assert result["summary_polling"]["requests_per_step"] > 2 * result["samples"]
+    assert_positive(result, "step_speedup", "fewer_requests")
+
+
 def test_viewer_quick(capsys: pytest.CaptureFixture[str]) -> None:
     require_chromium()
     bench = load_bench("viewer")

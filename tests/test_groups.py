@@ -134,7 +134,10 @@ async def test_pages_follow_the_cursor_and_filter(db: Database) -> None:
     # A page that stops at `limit` stops its cursor there too: the filtered group after it is not counted.
     assert (await page(db, 0, limit=1, min_reward_std=0.0)).next == 2
     assert [g.env for g in (await page(db, 0, env="test/probe")).groups] == ["test/probe"]
-    assert [g.group_index for g in (await page(db, 0, batch_id="one")).groups] == [0, 1, 2]
+    assert [g.group_index for g in (await page(db, 0, batch_ids=("one",))).groups] == [0, 1, 2]
+    assert [(g.batch_id, g.group_index) for g in (await page(db, 0, batch_ids=("two", "one"))).groups] == [
+        ("one", 0), ("one", 1), ("two", 0), ("one", 2),
+    ]  # fmt: skip
 
 
 async def test_concurrent_loggers_hand_out_every_seq_once(database_url: str, db: Database) -> None:
@@ -256,6 +259,10 @@ async def test_the_stream_delivers_every_complete_group_once_with_its_statistics
 
     only, _ = await all_groups(client, limit=100, batch_id="s2")
     assert {g["batch_id"] for g in only} == {"s2"} and len(only) == 6
+    both, _ = await all_groups(client, limit=100, batch_id=["s2", "s1", "nowhere"])
+    assert [(g["batch_id"], g["group_index"]) for g in both] == [
+        (g["batch_id"], g["group_index"]) for g in found
+    ]  # in the order they completed, whichever batch
 
     # Arrow: the page's episodes, group by group, the cursor in a header.
     response = await client.get("/groups", params={"after": 0, "limit": 4}, headers=ARROW)
@@ -314,17 +321,19 @@ async def test_cancelled_groups_enter_the_stream(client: httpx.AsyncClient) -> N
 
 
 async def test_bad_parameters_are_named(client: httpx.AsyncClient) -> None:
-    for params, field in [
+    for params, field, *index in [
         ({"after": -1}, "after"),
         ({"limit": 0}, "limit"),
         ({"limit": 1001}, "limit"),
         ({"min_reward_std": -0.5}, "min_reward_std"),
-        ({"batch_id": "no spaces"}, "batch_id"),
+        ({"batch_id": "no spaces"}, "batch_id", 0),
+        ({"batch_id": ["ok", "no spaces"]}, "batch_id", 1),  # which of them
+        ({"batch_id": [f"b{i}" for i in range(257)]}, "batch_id"),
         ({"cursor": 3}, "cursor"),
     ]:
         response = await client.get("/groups", params=params)
         assert response.status_code == 422, (params, response.text)
-        assert response.json()["errors"][0]["loc"] == ["query", field]
+        assert response.json()["errors"][0]["loc"] == ["query", field, *index]
 
 
 # ---- two service processes writing, one reader following the cursor through both ----

@@ -223,9 +223,10 @@ def batch(retries: Retries, batch_id: str, timeout: float) -> Plan[Batch]:
 
 
 class GroupFilters(TypedDict, total=False):
-    """GET /groups' filters; one left out (or None) filters nothing."""
+    """GET /groups' filters; one left out (or None) filters nothing. `batch_id` takes one id or a
+    sequence of them (the groups of any of those batches)."""
 
-    batch_id: str | None
+    batch_id: str | Sequence[str] | None
     env: str | None
     min_reward_std: float | None
 

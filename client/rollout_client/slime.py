@@ -32,7 +32,9 @@ from rollout_client import AsyncRolloutClient, EpisodeArrays, RequestError, Roll
 
 logger = logging.getLogger(__name__)
 
-POLL_SECONDS = 1.0  # generate_rollout: how often unfinished batches are asked for new complete groups
+GROUPS_WAIT_SECONDS = 10.0  # generate_rollout: one long-poll of GET /groups for the step's next groups
+GROUPS_PER_PAGE = 256
+MAX_PENDING_BATCHES = 256  # GET /groups' batch_id filter takes this many
 EPISODE_WAIT_SECONDS = 30.0  # generate: one long-poll of the episode
 DEFAULT_TASK_SPLIT = "train"
 DEFAULT_EVAL_TASK_SPLIT = "test"
@@ -247,12 +249,11 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
 class _Submitted:
     batch_id: str
     groups: dict[int, list[Any]]  # group index in the batch -> its slime samples, until it finished
-    consumed: int = 0  # complete groups seen
 
 
 def _train(args: Any, rollout_id: int, data_source: Any, client: RolloutClient, config: HookConfig) -> Any:
     """slime's generate_rollout_async, with the service running the groups: over-sample by
-    `over_sampling_batch_size` groups at a time, filter each finished group, draw more until
+    `over_sampling_batch_size` groups at a time, filter each group as it completes, draw more until
     `rollout_batch_size` groups passed, then cancel the surplus."""
     from slime.rollout.base_types import RolloutFnTrainOutput
     from slime.rollout.filter_hub.base_types import (
@@ -271,6 +272,7 @@ def _train(args: Any, rollout_id: int, data_source: Any, client: RolloutClient, 
     submitted: list[_Submitted] = []
     remaining = 0  # groups submitted and not dropped (slime's remaining_batch_size)
     data: list[list[Any]] = []
+    cursor = 0  # GET /groups' cursor over this step's batches
     started = time.monotonic()
     while len(data) < target:
         while remaining < target:
@@ -288,9 +290,7 @@ def _train(args: Any, rollout_id: int, data_source: Any, client: RolloutClient, 
             )
             submitted.append(_Submitted(batch_id, dict(enumerate(groups))))
             remaining += len(groups)
-        finished = _finished_groups(args, client, submitted)
-        if not finished:
-            time.sleep(POLL_SECONDS)
+        finished, cursor = _finished_groups(args, client, submitted, cursor)
         for group in finished:
             verdict = call_dynamic_filter(dynamic_filter, args, group)
             if should_drop_dynamic_filter_output(
@@ -311,25 +311,25 @@ def _train(args: Any, rollout_id: int, data_source: Any, client: RolloutClient, 
     return RolloutFnTrainOutput(samples=data, metrics=metrics.collect())
 
 
-def _finished_groups(args: Any, client: RolloutClient, submitted: list[_Submitted]) -> list[list[Any]]:
-    """The groups that completed since the last call, filled. Each batch's summary names its
-    complete groups' episodes; only the new ones are fetched, each once."""
-    finished = []
-    for batch in submitted:
-        if not batch.groups:
-            continue
-        summary = client.summary(batch.batch_id)
-        if summary["groups_complete"] == batch.consumed:
-            continue
-        batch.consumed = summary["groups_complete"]
-        new: dict[int, list[str]] = {}
-        for episode in sorted(summary["episodes"], key=lambda e: (e["group_index"], e["sample_index"])):
-            if episode["group_index"] in batch.groups:
-                new.setdefault(episode["group_index"], []).append(episode["id"])
-        for group_index, episode_ids in new.items():
-            episodes = [EpisodeArrays.from_detail(client.episode(episode_id)) for episode_id in episode_ids]
-            finished.append(_fill_group(args, batch.groups.pop(group_index), episodes))
-    return finished
+def _finished_groups(
+    args: Any, client: RolloutClient, submitted: list[_Submitted], after: int
+) -> tuple[list[list[Any]], int]:
+    """The groups of the step's unfinished batches that completed past the cursor `after`, filled,
+    and the next cursor: one long-poll of GET /groups, which answers as soon as a group completes,
+    with the episodes as Arrow. Every batch with a group still to come stays in the filter: the
+    cursor moves past what the filter matched, so a batch left out would lose its groups."""
+    pending = {batch.batch_id: batch for batch in submitted if batch.groups}
+    if len(pending) > MAX_PENDING_BATCHES:
+        raise RuntimeError(
+            f"{len(pending)} batches of this rollout are unfinished, more than GET /groups takes at "
+            f"once ({MAX_PENDING_BATCHES}): raise --over-sampling-batch-size"
+        )
+    page = client.groups(after, GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS, batch_id=list(pending))
+    finished = [
+        _fill_group(args, pending[batch_id].groups.pop(group_index), episodes)
+        for (batch_id, group_index), episodes in page.groups().items()
+    ]
+    return finished, page.next
 
 
 def _fill_group(args: Any, samples: list[Any], episodes: list[EpisodeArrays]) -> list[Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Response
+from pydantic import StringConstraints
 
 from service.api.deps import ServicesDep, long_poll
 from service.api.errors import DatabaseUnavailable, responses
@@ -19,6 +20,7 @@ from service.storage.groups import GroupFilter, GroupPage
 router = APIRouter(tags=["groups"])
 
 MAX_GROUPS_PER_PAGE = 1000
+MAX_BATCH_IDS = 256  # batch_id filters in one request
 NEXT_CURSOR_HEADER = "Rollout-Next-Cursor"
 FILTERED_HEADER = "Rollout-Groups-Filtered"
 
@@ -58,7 +60,12 @@ async def get_groups(
         ),
     ] = 0,
     batch_id: Annotated[
-        str | None, Query(max_length=128, pattern=BATCH_ID_PATTERN, description="Only this batch's groups.")
+        list[Annotated[str, StringConstraints(max_length=128, pattern=BATCH_ID_PATTERN)]] | None,
+        Query(
+            max_length=MAX_BATCH_IDS,
+            description=f"Only these batches' groups (repeat it: `batch_id=a&batch_id=b`, at most "
+            f"{MAX_BATCH_IDS}).",
+        ),
     ] = None,
     env: Annotated[str | None, Query(max_length=128, description="Only groups of this environment.")] = None,
     min_reward_std: Annotated[
@@ -76,7 +83,9 @@ async def get_groups(
     """Complete groups (every episode has a final status) past the cursor `after`, in the order they
     completed. The cursor lives in the database: it survives restarts and holds across service
     processes; following `next`, no group comes twice and none is skipped."""
-    where = GroupFilter(batch_id=batch_id, env=env, min_reward_std=min_reward_std)
+    where = GroupFilter(
+        batch_ids=tuple(batch_id) if batch_id else None, env=env, min_reward_std=min_reward_std
+    )
     page = await _next_page(services, after, limit, wait, where)
     services.metrics.groups_filtered.inc(page.filtered)
     rows = await open_group_rows(services.database, [(g.batch_id, g.group_index) for g in page.groups])

@@ -192,10 +192,10 @@ async def batch_group_keys(session: AsyncSession, batch_id: str) -> list[GroupKe
 
 @dataclass(frozen=True)
 class GroupFilter:
-    """Which complete groups a reader wants: of one batch, of one env, with reward std above
+    """Which complete groups a reader wants: of some batches, of one env, with reward std above
     `min_reward_std` (None: every group; 0: those whose rewards are not all equal)."""
 
-    batch_id: str | None = None
+    batch_ids: tuple[str, ...] | None = None
     env: str | None = None
     min_reward_std: float | None = None
 
@@ -215,8 +215,8 @@ class GroupPage:
 async def read_page(session: AsyncSession, after: int, limit: int, where: GroupFilter) -> GroupPage:
     """Up to `limit` complete groups past the cursor `after` that `where` keeps, in seq order."""
     query = select(Group).where(Group.seq.is_not(None))
-    if where.batch_id is not None:
-        query = query.where(Group.batch_id == where.batch_id)
+    if where.batch_ids is not None:
+        query = query.where(Group.batch_id.in_(where.batch_ids))
     if where.env is not None:
         query = query.where(Group.env == where.env)
     kept: list[Group] = []

@@ -33,7 +33,7 @@ from rollout_client import AsyncRolloutClient, EpisodeArrays, RequestError, Roll
 logger = logging.getLogger(__name__)
 
 GROUPS_WAIT_SECONDS = 10.0  # generate_rollout: one long-poll of GET /groups for the step's next groups
-GROUPS_PER_PAGE = 256
+GROUPS_PER_PAGE = 256  # generate_rollout: groups per page of GET /groups, at most
 MAX_PENDING_BATCHES = 256  # GET /groups' batch_id filter takes this many
 EPISODE_WAIT_SECONDS = 30.0  # generate: one long-poll of the episode
 DEFAULT_TASK_SPLIT = "train"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from transformers import AutoTokenizer
 
 from service.config import TEST_TOKENIZER_DIR
-from service.loop.tokens import ChatTemplateError, ChatTokenizer, Trajectory
+from service.loop.tokens import ChatTemplateError, ChatTokenizer, TokenTexts, Trajectory
 from tests.support.tokenizer import TEMPLATES_DIR, chat_tokenizer, chat_variant, load_test_tokenizer
 
 
@@ -97,3 +99,44 @@ def test_a_template_that_trims_contents_is_rendered_in_full() -> None:
         == "<|im_start|>user\npadded<|im_end|>\n<|im_start|>assistant\n"
     )
     assert chat._message_texts[("user", None)] is None
+
+
+async def test_token_texts_keep_multi_byte_characters_whole() -> None:
+    """Byte-level tokens that split ï, 日 or an emoji read as the character on its first token (the
+    rest empty), not as U+FFFD each; every other token reads as it decodes alone."""
+    tokenizer = load_test_tokenizer()
+
+    async def loaded() -> Any:
+        return tokenizer
+
+    ids = tokenizer.encode("naïve 日本語 🙂 ok", add_special_tokens=False)
+    alone = [tokenizer.decode([token]) for token in ids]
+    texts = await TokenTexts(loaded).texts(ids)
+    assert texts == [
+        "n",
+        "a",
+        "ï",
+        "",
+        "ve",
+        " ",
+        "日",
+        "",
+        "",
+        "本",
+        "",
+        "",
+        "語",
+        "",
+        "",
+        " ",
+        "🙂",
+        "",
+        "",
+        "",
+        " o",
+        "k",
+    ]
+    assert alone.count("\ufffd") == 15  # what each of them decodes to alone
+    # U+FFFD sampled as such (3 byte-level tokens) decodes to U+FFFD with any neighbour: kept.
+    sampled = tokenizer.encode("a\ufffd", add_special_tokens=False)
+    assert await TokenTexts(loaded).texts(sampled) == [tokenizer.decode([token]) for token in sampled]

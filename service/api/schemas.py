@@ -344,13 +344,16 @@ class TokenTurnOut(BaseModel):
 
 
 class EpisodeTokenView(BaseModel):
-    """An episode's tokens as text, decoded by the service's tokenizer one token at a time (a token
-    that holds part of a multi-byte character reads as U+FFFD)."""
+    """An episode's tokens as text, decoded by the service's tokenizer one token at a time; tokens
+    that split a multi-byte character give it to the first of them, the others read empty."""
 
     episode_id: str
     prompt_text: str = Field(description="The prompt, decoded whole.")
     response_ids: list[int]
-    response_tokens: list[str] = Field(description="Each response token's text.")
+    response_tokens: list[str] = Field(
+        description="Each response token's text; where tokens split a multi-byte character, the "
+        "first of them holds it and the others are empty."
+    )
     loss_mask: list[int]
     rollout_logprobs: list[float]
     turns: list[TokenTurnOut] = Field(description="The generate calls, in order.")

@@ -282,9 +282,14 @@ class ChatTokenizer:
         return text[text.index(content) + len(content) :]
 
 
+REPLACEMENT_CHARACTER = "\ufffd"
+MAX_CHARACTER_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 byte-level tokens
+
+
 class TokenTexts:
-    """Token id -> its text, one token decoded alone (special tokens kept). `tokenizer` gives the
-    tokenizer, loaded on first use: a process that only serves the API loads it only if asked."""
+    """Token id -> its text, one token decoded alone (special tokens kept), except where tokens
+    split a multi-byte character (see `_mend_split_characters`). `tokenizer` gives the tokenizer,
+    loaded on first use: a process that only serves the API loads it only if asked."""
 
     def __init__(self, tokenizer: Callable[[], Awaitable[HFTokenizer]]) -> None:
         self._tokenizer = tokenizer
@@ -298,9 +303,30 @@ class TokenTexts:
                 lambda: {token: tokenizer.decode([token], skip_special_tokens=False) for token in missing}
             )
             self._texts.update(decoded)
-        return [self._texts[token] for token in ids]
+        texts = [self._texts[token] for token in ids]
+        if any(REPLACEMENT_CHARACTER in text for text in texts):
+            tokenizer = await self._tokenizer()
+            await asyncio.to_thread(_mend_split_characters, tokenizer, ids, texts)
+        return texts
 
     async def whole(self, ids: list[int]) -> str:
         """The text of `ids` decoded together (multi-byte characters whole)."""
         tokenizer = await self._tokenizer()
         return await asyncio.to_thread(lambda: tokenizer.decode(ids, skip_special_tokens=False))
+
+
+def _mend_split_characters(tokenizer: HFTokenizer, ids: Sequence[int], texts: list[str]) -> None:
+    """A byte-level token that holds part of a multi-byte character (é, 日, an emoji) decodes alone
+    to U+FFFD. Where such a token and at most three after it decode together without one, their
+    text goes to the first of them and the others read empty: the tokens read as the response
+    decodes. A token that decodes to U+FFFD with every neighbour keeps it: the model sampled it."""
+    index = 0
+    while index < len(ids):
+        if REPLACEMENT_CHARACTER in texts[index]:
+            for end in range(index + 2, min(index + MAX_CHARACTER_TOKENS, len(ids)) + 1):
+                text = tokenizer.decode(list(ids[index:end]), skip_special_tokens=False)
+                if REPLACEMENT_CHARACTER not in text:
+                    texts[index:end] = [text] + [""] * (end - index - 1)
+                    index = end - 1
+                    break
+        index += 1

@@ -7,8 +7,8 @@ import asyncio
 import uuid
 
 import pytest
-from sqlalchemy import event, func, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import event, func, select, text, update
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from service.records import EpisodeRequest
 from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
@@ -123,3 +123,38 @@ async def test_a_closed_writer_refuses_writes(db: Database) -> None:
     with pytest.raises(RuntimeError, match="closed"):
         async with writer.begin():
             pass
+
+
+async def test_a_block_cut_off_mid_statement_loses_its_group_and_only_it(db: Database) -> None:
+    """A write cancelled while its statement runs leaves the connection invalidated. Its group is
+    lost: a block already in it gets a retryable OperationalError (nothing of it committed), the
+    cancelled caller its CancelledError, and the next block a new group that commits."""
+    if not db.url.startswith("postgresql"):
+        pytest.skip(
+            "SQLite: aiosqlite stops a connection cut off mid-statement without closing it, so it holds "
+            "the write lock until garbage collection; the worker ends its loops without cancelling them"
+        )
+    writer = Writer(db.sessionmaker, window_seconds=2.0)  # every block below would share one group
+
+    async def write() -> None:
+        async with writer.begin() as session:
+            await enqueue_batch(session, new_batch())
+
+    async def stuck() -> None:
+        async with writer.begin() as session:
+            await session.execute(text("SELECT pg_sleep(2)"))
+
+    try:
+        earlier = asyncio.create_task(write())
+        await asyncio.sleep(0.1)  # its block ran: it waits for its group's commit
+        cut_off = asyncio.create_task(stuck())
+        await asyncio.sleep(0.2)
+        cut_off.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut_off
+        with pytest.raises(OperationalError, match="cut off mid-statement"):
+            await earlier
+        await write()
+    finally:
+        await writer.aclose()
+    assert await batches_stored(db) == 1

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class _Group:
         self.session = session
         self.blocks = 0
         self.full = asyncio.Event()
+        self.lost = False  # a block was cut off mid-statement: the group rolls back whole
         self.committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Callers read the outcome; if none is left to (all cancelled), it is not an error.
         self.committed.add_done_callback(lambda future: future.cancelled() or future.exception())
@@ -74,9 +76,30 @@ class Writer:
             group.blocks += 1
             if group.blocks >= self._max_group_blocks:
                 group.full.set()
-            async with group.session.begin_nested():
-                yield group.session
+            try:
+                async with group.session.begin_nested():
+                    yield group.session
+            except BaseException as error:
+                # A block cut off mid-statement (its task cancelled: a loop stopped, an episode
+                # cancelled) leaves the connection invalidated, which no savepoint rolls back. The
+                # group is lost: it rolls back whole, its blocks' callers get a retryable error, and
+                # the next block opens a new group rather than failing in this one.
+                if not await _connection_lost(group.session):
+                    raise
+                await self._lose(group)
+                if isinstance(error, asyncio.CancelledError):
+                    raise
+                raise _group_lost() from error
         await asyncio.shield(group.committed)
+
+    async def _lose(self, group: _Group) -> None:
+        """Rolls the group back now, before the next block opens one: on SQLite its transaction
+        holds the write lock until then. Its commit task then fails its blocks."""
+        group.lost = True
+        if self._group is group:
+            self._group = None
+        await _rollback_quietly(group.session)
+        group.full.set()
 
     async def _open_group(self) -> _Group:
         session = self._sessionmaker()
@@ -104,6 +127,8 @@ class Writer:
             if self._group is group:
                 self._group = None
             try:
+                if group.lost:
+                    raise _group_lost()
                 await group.session.commit()
             except Exception as error:  # every block of the group failed with it: their callers retry
                 group.committed.set_exception(error)
@@ -118,6 +143,22 @@ class Writer:
         self._closed = True
         if self._commits:
             await asyncio.gather(*self._commits, return_exceptions=True)
+
+
+def _group_lost() -> OperationalError:
+    """What a lost group's blocks raise: a database error their callers retry, as for a dropped
+    connection (nothing of the group was committed)."""
+    return OperationalError(
+        "COMMIT", None, RuntimeError("a write of its group was cut off mid-statement; nothing was committed")
+    )
+
+
+async def _connection_lost(session: AsyncSession) -> bool:
+    try:
+        connection = await session.connection()  # the group's, already open: no I/O
+    except Exception:
+        return True
+    return connection.invalidated
 
 
 async def _rollback_quietly(session: AsyncSession) -> None:

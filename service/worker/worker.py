@@ -35,6 +35,7 @@ STORE_BACKOFF_SECONDS = 0.2  # first delay between tries of a result write; doub
 STORE_BACKOFF_MAX_SECONDS = 2.0  # up to this: a result is held until the database takes it
 WRITES_DRAIN_SECONDS = 15.0  # on shutdown, how long result writes already under way may take
 CANCEL_WAIT_SECONDS = 5.0  # on shutdown, how long cancelled episodes may take to unwind
+LOOPS_STOP_SECONDS = 5.0  # on shutdown, how long the background loops may take to finish a round
 # Attempts an episode gets, re-runs of stale ones included: past them a stale episode is stored
 # failed (its error says why), so that a bound no episode can meet does not loop forever.
 STALE_ATTEMPTS = 16
@@ -76,6 +77,7 @@ class EpisodeWorker:
         self.running: dict[str, _Running] = {}
         self._writes: set[asyncio.Future[bool]] = set()  # result writes under way (shielded)
         self._stopping = asyncio.Event()
+        self._halt = asyncio.Event()  # the heartbeat, sweep and cancelled loops end (after the drain)
         self._wake = asyncio.Event()
         self._loops: list[asyncio.Task[None]] = []
 
@@ -124,12 +126,24 @@ class EpisodeWorker:
                 await asyncio.wait(pending, timeout=CANCEL_WAIT_SECONDS)
         if self._writes:  # shielded from the cancellation above: let them land before releasing
             await asyncio.wait(self._writes, timeout=WRITES_DRAIN_SECONDS)
-        for loop in self._loops[1:]:
+        # The loops end at their next pause, not cancelled: a write cut off mid-statement would
+        # lose its group on the shared writer connection, and on SQLite leave the lock held.
+        self._halt.set()
+        _, stuck = await asyncio.wait(self._loops, timeout=LOOPS_STOP_SECONDS)
+        for loop in stuck:
             loop.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         released = await queue.release_episodes(self.writes, self.worker_id)
         if released:
             logger.info("released %d unfinished episodes back to the queue", released)
+
+    async def _pause(self, seconds: float) -> bool:
+        """Waits `seconds` between two rounds of a loop; False once the loops are to end."""
+        try:
+            await asyncio.wait_for(self._halt.wait(), seconds)
+        except TimeoutError:
+            return True
+        return False
 
     async def _claim_loop(self) -> None:
         while not self._stopping.is_set():
@@ -237,8 +251,7 @@ class EpisodeWorker:
 
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.lease_seconds / 3
-        while True:
-            await asyncio.sleep(interval)
+        while await self._pause(interval):
             ids = list(self.running)
             if not ids:
                 continue
@@ -284,14 +297,14 @@ class EpisodeWorker:
                 else:
                     if idle:  # their groups are logged by the group log's sweep
                         logger.info("%d external episodes failed: %s", len(idle), agents.IDLE_ERROR)
-            await asyncio.sleep(self.settings.sweep_interval_seconds)
+            if not await self._pause(self.settings.sweep_interval_seconds):
+                return
 
     async def _cancelled_loop(self) -> None:
         """Stops the running episodes of batches cancelled through any process (POST
         /batches/{id}/cancel): this process's engine requests were aborted there, but an episode
         between two of them (in its env) would go on to the next."""
-        while True:
-            await asyncio.sleep(CANCELLED_POLL_SECONDS)
+        while await self._pause(CANCELLED_POLL_SECONDS):
             batches = {running.claim.batch_id for running in self.running.values() if not running.writing}
             if not batches:
                 continue

@@ -7,7 +7,7 @@ import hmac
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter, Depends, Header, Path
+from fastapi import APIRouter, Depends, Header
 from fastapi.responses import Response, StreamingResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -21,6 +21,7 @@ from service.agents.chat import (
     completion_chunks,
 )
 from service.api.deps import ServicesDep
+from service.api.episodes import EpisodeId
 from service.api.errors import (
     Conflict,
     DatabaseUnavailable,
@@ -30,7 +31,7 @@ from service.api.errors import (
     Unauthorized,
     responses,
 )
-from service.api.schemas import ID_PATTERN, REQUEST_CONFIG
+from service.api.schemas import REQUEST_CONFIG
 from service.api.values import Text, storable_json
 from service.app_state import Services
 from service.records import EpisodeStatus
@@ -43,7 +44,6 @@ from service.storage.agents import (
 )
 
 router = APIRouter(tags=["agents"])
-EpisodeId = Annotated[str, Path(max_length=128, pattern=ID_PATTERN)]
 SSE_MEDIA_TYPE = "text/event-stream"
 
 

@@ -19,7 +19,6 @@ from sqlalchemy import Table, Update, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.records import EpisodeStatus
-from service.storage import blobs
 from service.storage.db import Database, utcnow
 from service.storage.models import TOKEN_COLUMNS, Episode, EpisodeSegment, EpisodeTokens
 
@@ -199,14 +198,10 @@ def _segment_of(columns: dict[str, Any]) -> Segment | None:
 
 
 def _segment_columns(segment: Segment) -> dict[str, Any]:
-    return {
-        "prompt_ids": blobs.encode_ids(segment.prompt_ids),
-        "response_ids": blobs.encode_ids(segment.response_ids),
-        "loss_mask": blobs.encode_mask(segment.loss_mask),
-        "rollout_logprobs": blobs.encode_logprobs(segment.rollout_logprobs),
-        "turns": segment.turns,
-        "messages": segment.messages,
-    }
+    tokens = EpisodeTokens(
+        segment.prompt_ids, segment.response_ids, segment.loss_mask, segment.rollout_logprobs
+    )
+    return {**tokens.encoded(), "turns": segment.turns, "messages": segment.messages}
 
 
 async def store_call(

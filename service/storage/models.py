@@ -106,6 +106,15 @@ class EpisodeTokens:
             rollout_logprobs=blobs.decode_logprobs(rollout_logprobs or b""),
         )
 
+    def encoded(self) -> dict[str, bytes]:
+        """The blobs to store, by column name: what `decoded` reads back."""
+        return {
+            "prompt_ids": blobs.encode_ids(self.prompt_ids),
+            "response_ids": blobs.encode_ids(self.response_ids),
+            "loss_mask": blobs.encode_mask(self.loss_mask),
+            "rollout_logprobs": blobs.encode_logprobs(self.rollout_logprobs),
+        }
+
 
 class Episode(Base):
     """One rollout and, while unfinished, its job: status, attempt and lease drive the queue."""

@@ -17,10 +17,9 @@ from sqlalchemy import ColumnElement, Row, String, Table, Update, bindparam, cas
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
-from service.storage import blobs
-from service.storage.agents import EXTERNAL_OWNER
+from service.storage.agents import EXTERNAL_OWNER, TOKEN_BLOBS
 from service.storage.db import IN_LIST_CHUNK, utcnow
-from service.storage.models import REQUEST_COLUMNS, Batch, Episode
+from service.storage.models import REQUEST_COLUMNS, Batch, Episode, EpisodeTokens
 from service.storage.writer import Transactions
 
 _QUEUED = EpisodeStatus.QUEUED.value
@@ -56,14 +55,15 @@ class ClaimedEpisode:
 
 
 def _result_columns(result: EpisodeResult) -> dict[str, Any]:
-    tokens = result.has_tokens
+    tokens: dict[str, bytes | None] = dict.fromkeys(TOKEN_BLOBS)
+    if result.has_tokens:
+        tokens |= EpisodeTokens(
+            result.prompt_ids, result.response_ids, result.loss_mask, result.rollout_logprobs
+        ).encoded()
     return {
         "status": result.status.value,
         "reward": result.reward,
-        "prompt_ids": blobs.encode_ids(result.prompt_ids) if tokens else None,
-        "response_ids": blobs.encode_ids(result.response_ids) if tokens else None,
-        "loss_mask": blobs.encode_mask(result.loss_mask) if tokens else None,
-        "rollout_logprobs": blobs.encode_logprobs(result.rollout_logprobs) if tokens else None,
+        **tokens,
         "messages": result.messages,
         "info": result.info,
         "turns": [turn.to_json() for turn in result.turns],

@@ -5,6 +5,8 @@ documents (status, content type, headers, body schema), with API keys set."""
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +17,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from starlette.types import ASGIApp
 
+from service.api.schemas import BATCH_ID_PATTERN
 from service.app import create_app
 from service.records import DEFAULT_MAX_NEW_TOKENS
 from service.serving import serve_app
@@ -70,8 +73,28 @@ def live_url(database_url: str, sim: tuple[SimWorker, str]) -> Iterator[str]:
 
 
 MAX_GROUPS_WAIT = 0.5
+# The same generated inputs on every run, so that CI fails for a reason and never at random: a class
+# of input that breaks the service once breaks it every run (the classes found so far have explicit
+# tests too: NUL and lone surrogates in tests/test_text_fields.py). ROLLOUT_FUZZ_SEED explores others.
+FUZZ_SEED = int(os.environ.get("ROLLOUT_FUZZ_SEED", "25"))
 schema = schemathesis.openapi.from_path(SPEC)
-schema.config.generation.update(max_examples=MAX_EXAMPLES)
+schema.config.seed = FUZZ_SEED
+# No example database: a failure found on one machine is not replayed on another, where it would
+# look random.
+schema.config.generation.update(max_examples=MAX_EXAMPLES, database="none")
+
+
+def _invalid_on_the_wire(batch_ids: object) -> object:
+    """A negative case's `batch_id`, made invalid as the service reads it. A query string carries a
+    list of text, so what schemathesis generates as not a list of ids ("false", false, 7, null)
+    arrives as the ids "false", "7", "null", which the contract's pattern allows: the service rightly
+    answers 200, and the check would fail or pass depending on what the seed draws. Such a value is
+    prefixed with "!", which no batch id may start with."""
+    values = batch_ids if isinstance(batch_ids, list) else [batch_ids]
+    return [
+        value if isinstance(value, str) and re.fullmatch(BATCH_ID_PATTERN, value) is None else f"!{value}"
+        for value in values
+    ]
 
 
 @schema.hook
@@ -88,6 +111,8 @@ def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> sche
         wait = case.query.get("wait")
         if isinstance(wait, (int, float)) and not isinstance(wait, bool) and wait > MAX_GROUPS_WAIT:
             case.query = {**case.query, "wait": MAX_GROUPS_WAIT}
+        if not positive and "batch_id" in case.query:
+            case.query = {**case.query, "batch_id": _invalid_on_the_wire(case.query["batch_id"])}
         return case
     if case.operation.label != "POST /episodes" or not positive or not isinstance(case.body, dict):
         return case
@@ -128,6 +153,8 @@ def test_what_is_accepted_reads_back(live_url: str) -> None:
             max_examples=STATEFUL_EXAMPLES,
             stateful_step_count=4,
             deadline=None,
+            database=None,
+            derandomize="ROLLOUT_FUZZ_SEED" not in os.environ,
             suppress_health_check=list(HealthCheck),
         )
     )

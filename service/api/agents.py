@@ -63,9 +63,9 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str = "policy"
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    model: Text = "policy"
+    messages: Annotated[list[dict[str, Any]], AfterValidator(storable_json)] = Field(min_length=1)
+    tools: Annotated[list[dict[str, Any]], AfterValidator(storable_json)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = None
@@ -73,7 +73,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)

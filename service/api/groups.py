@@ -12,6 +12,7 @@ from service.api.deps import ServicesDep, long_poll
 from service.api.errors import DatabaseUnavailable, responses
 from service.api.presenters import ARROW_STREAM_MEDIA_TYPE, arrow_stream, groups_page_json
 from service.api.schemas import BATCH_ID_PATTERN, INT32_MAX, GroupsOut
+from service.api.values import Text
 from service.app_state import Services
 from service.storage import groups
 from service.storage.batch_rows import open_group_rows
@@ -67,7 +68,7 @@ async def get_groups(
             f"{MAX_BATCH_IDS}).",
         ),
     ] = None,
-    env: Annotated[str | None, Query(max_length=128, description="Only groups of this environment.")] = None,
+    env: Annotated[Text | None, Query(max_length=128, description="Only groups of this environment.")] = None,
     min_reward_std: Annotated[
         float | None,
         Query(

@@ -1,12 +1,21 @@
-"""What the free-form fields of a request may hold: Unicode text and finite JSON numbers, nested a
-bounded depth. Whatever is accepted is stored, and read back as JSON, on every database."""
+"""What the fields of a request may hold: Unicode text and finite JSON numbers, nested a bounded
+depth. Whatever is accepted is stored and read back intact on every database; the rest is a 422
+naming the field.
+
+Two rules, each stated once here:
+- `Text`, every str field and query filter a request names (labels, filters, stop strings, errors):
+  Unicode text without NUL. PostgreSQL's text cannot hold U+0000 (SQLite can), so a NUL in a label
+  would be a 500 on one database and stored on the other; it is refused on both instead.
+  service/storage/models.py's `TextColumn` keeps the same rule at the columns themselves.
+- Free-form JSON (`storable_json`: metadata, info, agents' messages): NUL is kept (JSON escapes it),
+  only what JSON cannot encode is refused (lone surrogates, NaN, infinities, nesting past the bound)."""
 
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BeforeValidator, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -26,6 +35,7 @@ def field_error(location: Sequence[str | int], kind: str, message: str, value: A
 
 
 def text_problem(text: str) -> str | None:
+    """Why `text` cannot be part of a stored JSON value, or None."""
     match = _SURROGATE.search(text)
     if match is None:
         return None
@@ -35,19 +45,31 @@ def text_problem(text: str) -> str | None:
     )
 
 
+def label_problem(text: str) -> tuple[str, str] | None:
+    """(error type, message) of why `text` cannot be a str field (stored in a text column), or None."""
+    problem = text_problem(text)
+    if problem is not None:
+        return "lone_surrogate", problem
+    nul = text.find("\x00")
+    if nul >= 0:
+        return "nul_character", f"NUL (\\u0000) at character {nul}: text fields cannot hold it"
+    return None
+
+
 def escaped(text: str) -> str:
     """`text` with any lone surrogate written as its escape (\\ud800), for error messages."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _check_text(text: str) -> str:
-    problem = text_problem(text)
+    problem = label_problem(text)
     if problem is not None:
-        raise PydanticCustomError("lone_surrogate", problem)
+        raise PydanticCustomError(*problem)
     return text
 
 
-Text = Annotated[str, AfterValidator(_check_text)]  # a str field of a request
+# Every str field and str query parameter of a request: Unicode text without NUL (module docstring).
+Text = Annotated[str, AfterValidator(_check_text)]
 
 
 def _json_integer(value: Any) -> Any:
@@ -85,8 +107,11 @@ def _problem(value: Any, location: list[str | int], depth: int) -> tuple[list[st
     return None
 
 
-def storable_json(value: dict[str, Any]) -> dict[str, Any]:
-    """Validator of a free-form JSON object: refuses lone surrogates (in keys and values),
+J = TypeVar("J", dict[str, Any], list[dict[str, Any]])
+
+
+def storable_json(value: J) -> J:
+    """Validator of a free-form JSON object (or list of them): refuses lone surrogates (in keys and values),
     NaN and infinities, and nesting past MAX_JSON_DEPTH, naming where."""
     found = _problem(value, [], 1)
     if found is not None:

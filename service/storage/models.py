@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -62,6 +63,46 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.astimezone(UTC)
 
 
+class TextColumn(TypeDecorator[str]):
+    """A text column that holds the same on every database: PostgreSQL's text cannot hold NUL and
+    neither database can encode a lone surrogate, so both are refused before the statement runs, on
+    SQLite too. Requests never get here with either (service/api/values.py refuses them with a
+    422 naming the field); this keeps a new path from storing on one database what fails on the other."""
+
+    impl = String
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        if value is not None and (problem := unstorable_text(value)) is not None:
+            raise ValueError(f"{problem} in {value[:80]!r}: check it where it enters (service/api/values.py)")
+        return value
+
+
+class DiagnosticText(TypeDecorator[str]):
+    """Free text the service writes itself (an episode's error: an env's or engine's message). It is
+    for reading, so what no database can hold is replaced by U+FFFD rather than failing the write."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        if value is None or unstorable_text(value) is None:
+            return value
+        return _UNSTORABLE.sub("\ufffd", value)
+
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def unstorable_text(value: str) -> str | None:
+    """What in `value` a text column cannot hold on every database (NUL, a lone surrogate), or None."""
+    match = _UNSTORABLE.search(value)
+    if match is None:
+        return None
+    kind = "NUL" if match.group() == "\x00" else "lone surrogate"
+    return f"{kind} at character {match.start()}"
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON(), list[Any]: JSON()}
@@ -71,12 +112,12 @@ class Batch(Base):
     __tablename__ = "batches"
     __table_args__ = (Index("ix_batches_created_at_id", "created_at", "id"),)  # newest first: GET /batches
 
-    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    id: Mapped[str] = mapped_column(TextColumn(128), primary_key=True)
     # Hash of the normalized request: a resubmission with the same id and hash gets the same
     # answer, with the same id and another hash a 409.
-    request_hash: Mapped[str] = mapped_column(String(64))
-    env: Mapped[str] = mapped_column(String(128))
-    task_split: Mapped[str] = mapped_column(String(64))
+    request_hash: Mapped[str] = mapped_column(TextColumn(64))
+    env: Mapped[str] = mapped_column(TextColumn(128))
+    task_split: Mapped[str] = mapped_column(TextColumn(64))
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
     created_at: Mapped[datetime]
     # Set by POST /batches/{id}/cancel; workers look it up for the batches of their running episodes.
@@ -131,13 +172,13 @@ class Episode(Base):
         Index("ix_episodes_batch_id_group_index", "batch_id", "group_index"),
     )
 
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    id: Mapped[str] = mapped_column(TextColumn(64), primary_key=True)
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
     group_index: Mapped[int] = mapped_column(Integer)  # index of the task in the request: a GRPO group
     sample_index: Mapped[int] = mapped_column(Integer)  # index of the sample within its group
     # The EpisodeRequest, one column per field (see REQUEST_COLUMNS).
-    env: Mapped[str] = mapped_column(String(128))
-    task_split: Mapped[str] = mapped_column(String(64))
+    env: Mapped[str] = mapped_column(TextColumn(128))
+    task_split: Mapped[str] = mapped_column(TextColumn(64))
     task_index: Mapped[int] = mapped_column(Integer)
     sampling_params: Mapped[dict[str, Any]] = mapped_column(JSON)
     max_turns: Mapped[int] = mapped_column(Integer)
@@ -145,13 +186,13 @@ class Episode(Base):
     max_staleness: Mapped[int | None] = mapped_column(Integer)
     episode_timeout_seconds: Mapped[float | None] = mapped_column(Float)
 
-    status: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(TextColumn(16))
     # Fencing token: +1 on every re-queue, so a worker that lost its lease cannot finish the row.
     attempt: Mapped[int] = mapped_column(Integer)
     # Attempts that ended by a crash, a kill or an unreachable engine (graceful releases on
     # shutdown do not count): at MAX_ATTEMPTS of them the episode fails.
     failures: Mapped[int] = mapped_column(Integer, server_default="0")
-    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_owner: Mapped[str | None] = mapped_column(TextColumn(128))
     lease_expires_at: Mapped[datetime | None]
 
     reward: Mapped[float | None] = mapped_column(Float)
@@ -163,7 +204,7 @@ class Episode(Base):
     info: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     # Per-turn records: weight_version, finish_reason, engine_seconds, env_seconds, ...
     turns: Mapped[list[Any] | None] = mapped_column(JSON)
-    error: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(DiagnosticText)
     num_turns: Mapped[int | None] = mapped_column(Integer)
 
     created_at: Mapped[datetime]
@@ -172,7 +213,7 @@ class Episode(Base):
     # An external agent's episode (env `external`): the bearer token of its OpenAI endpoint, and
     # how many segments it has (a rewritten history starts one). This row holds the last segment;
     # EpisodeSegment rows the ones before it.
-    agent_token: Mapped[str | None] = mapped_column(String(64))
+    agent_token: Mapped[str | None] = mapped_column(TextColumn(64))
     segments: Mapped[int] = mapped_column(Integer, server_default="1")
 
     batch: Mapped[Batch] = relationship(back_populates="episodes", lazy="raise")
@@ -199,7 +240,7 @@ class Group(Base):
 
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
     group_index: Mapped[int] = mapped_column(Integer, primary_key=True)
-    env: Mapped[str] = mapped_column(String(128))
+    env: Mapped[str] = mapped_column(TextColumn(128))
     task_index: Mapped[int] = mapped_column(Integer)
     size: Mapped[int] = mapped_column(Integer)  # its episodes
     created_at: Mapped[datetime]

@@ -28,7 +28,7 @@ from service.api.presenters import (
 from service.api.schemas import EpisodeSummary, EpisodeWithTokens
 from service.app import create_app
 from service.app_state import GroupSummaries
-from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
+from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.serving import serve_app
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
 from service.storage.batches import NewBatch, NewEpisode, enqueue_batch, load_batch_episodes
@@ -83,10 +83,12 @@ def result(rng: random.Random, tokens: int, status: EpisodeStatus = EpisodeStatu
     return EpisodeResult(
         status=status,
         reward=rng.random(),
-        prompt_ids=[(start + 31 * i) % 150_000 for i in range(rng.randint(1, 300))],
-        response_ids=[(start + 7919 * i) % 150_000 for i in range(tokens)],
-        loss_mask=mask,
-        rollout_logprobs=[-scale * (i % 101) / 7 if bit else 0.0 for i, bit in enumerate(mask)],
+        tokens=EpisodeTokens(
+            prompt_ids=[(start + 31 * i) % 150_000 for i in range(rng.randint(1, 300))],
+            response_ids=[(start + 7919 * i) % 150_000 for i in range(tokens)],
+            loss_mask=mask,
+            rollout_logprobs=[-scale * (i % 101) / 7 if bit else 0.0 for i, bit in enumerate(mask)],
+        ),
         messages=[{"role": "user", "content": f"tâche n°{start} ✓"}],
         info={"task": {"id": start}, "nested": [scale, None, "x"]},
         turns=[

@@ -1,5 +1,5 @@
 """The trainer's bulk pull, GET /batches/{id} as an Arrow stream: chunked reads of one snapshot
-(service/storage/batch_rows.py) streamed as record batches (presenters.arrow_stream), on both backends."""
+(service/storage/batch_rows.py) streamed as record batches (api/streaming.arrow_stream), on both backends."""
 
 from __future__ import annotations
 
@@ -16,18 +16,12 @@ import pyarrow as pa
 import pytest
 from starlette.types import Message
 
-from service.api.presenters import (
-    ARROW_SCHEMA,
-    ARROW_STREAM_MEDIA_TYPE,
-    BatchStreamResponse,
-    arrow_stream,
-    batch_summary_json,
-    episode_detail,
-    tokens_json_stream,
-)
+from service.api.arrow import ARROW_SCHEMA, ARROW_STREAM_MEDIA_TYPE
+from service.api.batch_json import GroupSummaries, batch_summary_json
+from service.api.episode_detail import episode_detail
 from service.api.schemas import EpisodeSummary, EpisodeWithTokens
+from service.api.streaming import BatchStreamResponse, arrow_stream, tokens_json_stream
 from service.app import create_app
-from service.app_state import GroupSummaries
 from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.serving import serve_app
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
@@ -304,7 +298,7 @@ def test_group_summaries_keep_the_recently_polled_batches_within_their_bound() -
 def test_token_versions_column_and_a_damaged_record() -> None:
     """Each sampled token gets its call's version, context tokens null; a record whose counts do
     not match its mask spoils only its own episode's column."""
-    from service.api.presenters import _token_versions_column
+    from service.api.arrow import _token_versions_column
 
     masks = [bytes([1, 1, 0, 1]), bytes([0, 1, 1]), bytes([1, 0])]
     turns = [

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.api.presenters import token_version_codes
+from service.api.token_calls import token_version_codes
 from service.engine.client import Generation
 from service.envs.base import Action, Reset, Step
 from service.loop.runner import EpisodeRunner
@@ -213,7 +213,7 @@ def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
     assert sampled == [token for _, g in engine.calls for token in g.output_ids]
     assert [turn.resume for turn in result.turns] == [int(rid.partition(".")[2] or 0) for rid in engine.rids]
     codes, versions = token_version_codes(
-        np.array(result.tokens.loss_mask, np.uint8), [t.to_json() for t in result.turns]
+        [np.array(tokens.loss_mask, np.uint8)], [[t.to_json() for t in result.turns]]
     )
     expected = [f"v{index}" for index, (_, g) in enumerate(engine.calls) for _ in g.output_ids]
     assert [versions[code] for code in codes if code >= 0] == expected

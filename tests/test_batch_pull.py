@@ -25,11 +25,12 @@ from service.app import create_app
 from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.serving import serve_app
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
-from service.storage.batches import NewBatch, NewEpisode, enqueue_batch, load_batch_episodes
+from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
 from service.storage.db import Database
 from service.storage.queue import claim_episodes, finish_episode
 from tests.conftest import service_settings
 from tests.support.openai_stub import closed_port_url
+from tests.support.reads import load_batch_episodes
 
 ARROW = {"Accept": ARROW_STREAM_MEDIA_TYPE}
 TOKEN_ARRAYS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs")

@@ -17,9 +17,6 @@ from service.storage.batches import (
     NewEpisode,
     batch_status_counts,
     enqueue_batch,
-    get_batch,
-    load_batch_episodes,
-    queue_depth,
     status_counts,
 )
 from service.storage.db import Database, make_engine, make_sessionmaker, utcnow
@@ -31,6 +28,7 @@ from service.storage.queue import (
     renew_leases,
     requeue_expired,
 )
+from tests.support.reads import get_batch, load_batch_episodes, queue_depth
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 LEASE_SECONDS = 30.0

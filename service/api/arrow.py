@@ -74,17 +74,11 @@ def _json_text(text: str | None) -> str:
 def _token_versions_column(masks: Sequence[bytes | None], turns: Sequence[list[dict[str, Any]]]) -> pa.Array:
     """token_weight_versions of some episodes: one dictionary (the versions they name) and a code
     per response token, null where not sampled."""
-    codes, versions = token_version_codes(masks, turns)
-    if len(versions) > np.iinfo(np.int16).max:
-        raise ValueError(
-            f"{len(versions)} weight versions in one chunk of episodes: more than int16 codes hold"
-        )
+    codes, versions = token_version_codes(masks, turns, np.int16)
     lengths = [len(blob or b"") // blobs.MASK_BYTES for blob in masks]
     # The validity bitmap packed by numpy: pa.array(mask=...) takes 10x as long.
     valid = np.packbits(codes >= 0, bitorder="little")
-    indices = pa.Array.from_buffers(
-        pa.int16(), len(codes), [pa.py_buffer(valid), pa.py_buffer(codes.astype(np.int16))]
-    )
+    indices = pa.Array.from_buffers(pa.int16(), len(codes), [pa.py_buffer(valid), pa.py_buffer(codes)])
     values = pa.DictionaryArray.from_arrays(indices, pa.array(versions, pa.string()))
     return pa.ListArray.from_arrays(pa.array([0, *accumulate(lengths)], pa.int32()), values)
 

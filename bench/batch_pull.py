@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bench.common import free_port, fresh_database, wait_healthy
-from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
+from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
 from service.storage.db import Database
 from service.storage.queue import claim_episodes, finish_episode
@@ -123,7 +123,7 @@ async def write_batch(database_url: str, episodes: int, tokens: int, seed: int) 
                     messages=[],
                     info={},
                     turns=turns,
-                    **arrays,
+                    tokens=EpisodeTokens(**arrays),
                 )
                 assert await finish_episode(database.sessionmaker, "bench", claim.id, claim.attempt, result)
     finally:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from service.agents.chat import AgentChat
+from service.api.batch_json import GroupSummaries
 from service.config import Settings
 from service.engine.client import SGLangClient
 from service.envs.base import EnvSpec
@@ -24,7 +24,6 @@ logger = logging.getLogger(__name__)
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
-GROUP_SUMMARIES_BYTES = 64 * 1024 * 1024  # JSON of complete groups kept for polls, all batches
 RESUME_RETRY_SECONDS = 5.0  # between tries of the pause limit's resume, while workers refuse it
 # A control call's outcome per worker URL: None where it went through, else the problem.
 ControlCall = Callable[[], Awaitable[dict[str, str | None]]]
@@ -46,34 +45,6 @@ class ResultsSignal:
             await asyncio.wait_for(self._event.wait(), timeout)
         except TimeoutError:
             pass
-
-
-class GroupSummaries:
-    """The JSON summaries of batches' complete groups, kept to answer the next poll: a group, once
-    complete, never changes (each of its episodes' final result is written once), so the polls of a
-    running batch encode each group once. The least recently polled batches go past `max_bytes`."""
-
-    def __init__(self, max_bytes: int = GROUP_SUMMARIES_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self._batches: OrderedDict[str, dict[int, bytes]] = OrderedDict()
-        self._bytes = 0
-
-    def of(self, batch_id: str) -> dict[int, bytes]:
-        """The batch's groups summarized so far (a copy, by group index)."""
-        groups = self._batches.get(batch_id)
-        if groups is None:
-            return {}
-        self._batches.move_to_end(batch_id)
-        return dict(groups)
-
-    def add(self, batch_id: str, groups: dict[int, bytes]) -> None:
-        kept = self._batches.setdefault(batch_id, {})
-        self._bytes += sum(len(text) - len(kept.get(group, b"")) for group, text in groups.items())
-        kept.update(groups)
-        self._batches.move_to_end(batch_id)
-        while self._bytes > self.max_bytes and len(self._batches) > 1:
-            _, dropped = self._batches.popitem(last=False)
-            self._bytes -= sum(len(text) for text in dropped.values())
 
 
 class SharedReads(Generic[K, V]):

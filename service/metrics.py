@@ -102,10 +102,11 @@ class Metrics:
         self.resumes.inc(len(result.turns) - result.num_turns)
         if result.error is not None and result.error.startswith(DEADLINE_NOTE):
             self.past_deadline.inc()
-        sampled = sum(result.loss_mask)
-        self.tokens.labels("prompt").inc(len(result.prompt_ids))
-        self.tokens.labels("sampled").inc(sampled)
-        self.tokens.labels("context").inc(len(result.response_ids) - sampled)
+        if (tokens := result.tokens) is not None:
+            sampled = sum(tokens.loss_mask)
+            self.tokens.labels("prompt").inc(len(tokens.prompt_ids))
+            self.tokens.labels("sampled").inc(sampled)
+            self.tokens.labels("context").inc(len(tokens.response_ids) - sampled)
         for turn in result.turns:
             self.engine_seconds.observe(turn.engine_seconds)
             if turn.action is not None:

@@ -113,18 +113,35 @@ class TurnRecord:
         return asdict(self)
 
 
-@dataclass
-class EpisodeResult:
-    """A finished episode, as stored. Token arrays follow the trainer contract: len(response_ids) ==
-    len(loss_mask) == len(rollout_logprobs); logprobs are SGLang's, exactly (0.0 where not sampled).
-    An episode that never got its prompt (it failed first) has no token arrays at all."""
+@dataclass(frozen=True)
+class EpisodeTokens:
+    """The token arrays a trainer reads (the trainer contract's P, R, M, L): prompt ids, response
+    ids, loss mask and rollout logprobs (SGLang's, exactly; 0.0 where not sampled), with
+    len(response_ids) == len(loss_mask) == len(rollout_logprobs), checked once, here. One value
+    from the episode loop to the wire: whoever makes it hands its lists over and changes them no
+    more. Storage encodes and decodes it (storage/blobs.py)."""
 
-    status: EpisodeStatus
-    reward: float | None
     prompt_ids: list[int]
     response_ids: list[int]
     loss_mask: list[int]
     rollout_logprobs: list[float]
+
+    def __post_init__(self) -> None:
+        lengths = {len(self.response_ids), len(self.loss_mask), len(self.rollout_logprobs)}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"response_ids, loss_mask and rollout_logprobs differ in length: {sorted(lengths)}"
+            )
+
+
+@dataclass
+class EpisodeResult:
+    """A finished episode, as stored. An episode that never got its prompt (it failed first) has
+    no token arrays at all: `tokens` is None."""
+
+    status: EpisodeStatus
+    reward: float | None
+    tokens: EpisodeTokens | None
     messages: list[dict[str, Any]]
     info: dict[str, Any]
     turns: list[TurnRecord] = field(default_factory=list)
@@ -144,16 +161,7 @@ class EpisodeResult:
     def __post_init__(self) -> None:
         if not self.status.finished:
             raise ValueError(f"a result needs a finished status, not {self.status.value!r}")
-        lengths = {len(self.response_ids), len(self.loss_mask), len(self.rollout_logprobs)}
-        if len(lengths) != 1:
-            raise ValueError(
-                f"response_ids, loss_mask and rollout_logprobs differ in length: {sorted(lengths)}"
-            )
-
-    @property
-    def has_tokens(self) -> bool:
-        return bool(self.prompt_ids)
 
     @classmethod
     def failed(cls, error: str) -> EpisodeResult:
-        return cls(EpisodeStatus.FAILED, None, [], [], [], [], [], {}, error=error)
+        return cls(EpisodeStatus.FAILED, None, None, [], {}, error=error)

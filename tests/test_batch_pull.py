@@ -1,5 +1,5 @@
 """The trainer's bulk pull, GET /batches/{id} as an Arrow stream: chunked reads of one snapshot
-(service/storage/batch_rows.py) streamed as record batches (presenters.arrow_stream), on both backends."""
+(service/storage/batch_rows.py) streamed as record batches (api/streaming.arrow_stream), on both backends."""
 
 from __future__ import annotations
 
@@ -16,26 +16,21 @@ import pyarrow as pa
 import pytest
 from starlette.types import Message
 
-from service.api.presenters import (
-    ARROW_SCHEMA,
-    ARROW_STREAM_MEDIA_TYPE,
-    BatchStreamResponse,
-    arrow_stream,
-    batch_summary_json,
-    episode_detail,
-    tokens_json_stream,
-)
+from service.api.arrow import ARROW_SCHEMA, ARROW_STREAM_MEDIA_TYPE
+from service.api.batch_json import GroupSummaries, batch_summary_json
+from service.api.episode_detail import episode_detail
 from service.api.schemas import EpisodeSummary, EpisodeWithTokens
+from service.api.streaming import BatchStreamResponse, arrow_stream, tokens_json_stream
 from service.app import create_app
-from service.app_state import GroupSummaries
-from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
+from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.serving import serve_app
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
-from service.storage.batches import NewBatch, NewEpisode, enqueue_batch, load_batch_episodes
+from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
 from service.storage.db import Database
 from service.storage.queue import claim_episodes, finish_episode
 from tests.conftest import service_settings
 from tests.support.openai_stub import closed_port_url
+from tests.support.reads import load_batch_episodes
 
 ARROW = {"Accept": ARROW_STREAM_MEDIA_TYPE}
 TOKEN_ARRAYS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs")
@@ -83,10 +78,12 @@ def result(rng: random.Random, tokens: int, status: EpisodeStatus = EpisodeStatu
     return EpisodeResult(
         status=status,
         reward=rng.random(),
-        prompt_ids=[(start + 31 * i) % 150_000 for i in range(rng.randint(1, 300))],
-        response_ids=[(start + 7919 * i) % 150_000 for i in range(tokens)],
-        loss_mask=mask,
-        rollout_logprobs=[-scale * (i % 101) / 7 if bit else 0.0 for i, bit in enumerate(mask)],
+        tokens=EpisodeTokens(
+            prompt_ids=[(start + 31 * i) % 150_000 for i in range(rng.randint(1, 300))],
+            response_ids=[(start + 7919 * i) % 150_000 for i in range(tokens)],
+            loss_mask=mask,
+            rollout_logprobs=[-scale * (i % 101) / 7 if bit else 0.0 for i, bit in enumerate(mask)],
+        ),
         messages=[{"role": "user", "content": f"tâche n°{start} ✓"}],
         info={"task": {"id": start}, "nested": [scale, None, "x"]},
         turns=[
@@ -302,7 +299,7 @@ def test_group_summaries_keep_the_recently_polled_batches_within_their_bound() -
 def test_token_versions_column_and_a_damaged_record() -> None:
     """Each sampled token gets its call's version, context tokens null; a record whose counts do
     not match its mask spoils only its own episode's column."""
-    from service.api.presenters import _token_versions_column
+    from service.api.arrow import _token_versions_column
 
     masks = [bytes([1, 1, 0, 1]), bytes([0, 1, 1]), bytes([1, 0])]
     turns = [

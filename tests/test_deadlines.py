@@ -62,8 +62,8 @@ async def test_the_runner_ends_an_episode_at_its_deadline() -> None:
     assert result.error is not None and result.error.startswith("deadline: still running after 0.5 s")
     assert result.reward == 0.0  # the env's after its one step
     assert engine.rids == ["ep:2:0", "ep:2:1"] and engine.aborted == ["ep:2:"]
-    assert len(result.turns) == 1 and sum(result.loss_mask) > 0  # the turn played is kept, whole
-    assert result.response_ids[-len(chat_tokenizer().close_ids) :] != []
+    assert len(result.turns) == 1 and sum(result.tokens.loss_mask) > 0  # the turn played is kept, whole
+    assert result.tokens.response_ids[-len(chat_tokenizer().close_ids) :] != []
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.api.presenters import token_version_codes
+from service.api.token_calls import token_version_codes
 from service.engine.client import Generation
 from service.envs.base import Action, Reset, Step
 from service.loop.runner import EpisodeRunner
@@ -203,20 +203,21 @@ def run_episode(
 
 def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
     calls = [GenerateCall(ids, g.output_ids, g.logprobs) for ids, g in engine.calls]
+    tokens = result.tokens
     assert_trainer_contract(
-        result.prompt_ids, result.response_ids, result.loss_mask, result.rollout_logprobs, calls
+        tokens.prompt_ids, tokens.response_ids, tokens.loss_mask, tokens.rollout_logprobs, calls
     )
     # Resumed turns: nothing sampled twice or lost (the stored sampled tokens are every call's
     # output, in order), one record per call, and each sampled token carries its call's version.
-    sampled = [token for token, m in zip(result.response_ids, result.loss_mask, strict=True) if m]
+    sampled = [token for token, m in zip(tokens.response_ids, tokens.loss_mask, strict=True) if m]
     assert sampled == [token for _, g in engine.calls for token in g.output_ids]
     assert [turn.resume for turn in result.turns] == [int(rid.partition(".")[2] or 0) for rid in engine.rids]
     codes, versions = token_version_codes(
-        np.array(result.loss_mask, np.uint8), [t.to_json() for t in result.turns]
+        [np.array(tokens.loss_mask, np.uint8)], [[t.to_json() for t in result.turns]]
     )
     expected = [f"v{index}" for index, (_, g) in enumerate(engine.calls) for _ in g.output_ids]
     assert [versions[code] for code in codes if code >= 0] == expected
-    assert all(code == -1 for code, m in zip(codes, result.loss_mask, strict=True) if not m)
+    assert all(code == -1 for code, m in zip(codes, result.tokens.loss_mask, strict=True) if not m)
     # Every call of a turn is run, in order, and answered by its own tool message (the last turn's
     # calls after the one that ended the episode excepted).
     for index, message in enumerate(result.messages):
@@ -237,7 +238,7 @@ def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
     if ends_on_assistant and engine.variant.rewrites_last_assistant:
         return  # a re-render adds a think block the model never saw; the stored ids are right
     expected = chat.render(result.messages, tools=[TOOL_SCHEMA], add_generation_prompt=not ends_on_assistant)
-    assert chat.decode(result.prompt_ids + result.response_ids) == expected
+    assert chat.decode(result.tokens.prompt_ids + result.tokens.response_ids) == expected
 
 
 @pytest.mark.parametrize("variant_name", CHAT_VARIANTS)
@@ -282,15 +283,16 @@ def test_stop_token_is_closed_without_mask_and_header_is_stored() -> None:
     check_invariants(result, engine)
     assert result.status is EpisodeStatus.COMPLETED and result.reward == 1.0
     chat = chat_tokenizer()
-    trained = [token for token, m in zip(result.response_ids, result.loss_mask, strict=True) if m]
+    response, mask = result.tokens.response_ids, result.tokens.loss_mask
+    trained = [token for token, m in zip(response, mask, strict=True) if m]
     im_end, newline = chat.close_ids
     # The first and third turns sampled <|im_end|> (trained); the second did not (added, mask 0).
     assert trained.count(im_end) == 2
     assert newline not in trained[-1:]
     header = chat.encode("<|im_start|>assistant\n")
-    response_text = chat.decode(result.response_ids)
+    response_text = chat.decode(result.tokens.response_ids)
     assert response_text.count("<|im_start|>assistant\n") == 3  # before turns 2 and 3, and at the end
-    assert result.response_ids[-len(header) :] == header
+    assert result.tokens.response_ids[-len(header) :] == header
 
 
 def test_unparseable_tool_call_aborts_and_keeps_the_turn() -> None:
@@ -299,7 +301,7 @@ def test_unparseable_tool_call_aborts_and_keeps_the_turn() -> None:
     check_invariants(result, engine)
     assert result.status is EpisodeStatus.ABORTED
     assert result.error is not None and "unparseable tool call" in result.error
-    assert sum(result.loss_mask) == len(engine.calls[0][1].output_ids)
+    assert sum(result.tokens.loss_mask) == len(engine.calls[0][1].output_ids)
 
 
 def test_turn_limit_truncates() -> None:

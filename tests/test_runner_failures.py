@@ -47,7 +47,7 @@ async def test_env_step_raising_aborts_with_the_error(host: EnvHost) -> None:
     result = await EpisodeRunner(engine, host, chat_tokenizer(), get_parser("qwen25")).run(spec())
     assert result.status is EpisodeStatus.ABORTED and result.reward == 0.0  # the env's after step 1
     assert result.error is not None and "ValueError: boom at step 2" in result.error
-    assert len(result.turns) == 2 and sum(result.loss_mask) > 0  # the turns played are kept
+    assert len(result.turns) == 2 and sum(result.tokens.loss_mask) > 0  # the turns played are kept
 
 
 async def test_env_worker_crash_fails_the_episode(host: EnvHost) -> None:
@@ -79,4 +79,4 @@ async def test_engine_down_fails_after_retries(host: EnvHost) -> None:
         result = await EpisodeRunner(engine, host, chat_tokenizer(), get_parser("qwen25")).run(spec())
     assert result.status is EpisodeStatus.FAILED
     assert result.error is not None and result.error.startswith("engine:") and "3 attempts" in result.error
-    assert len(result.prompt_ids) > 0 and result.response_ids == []
+    assert len(result.tokens.prompt_ids) > 0 and result.tokens.response_ids == []

@@ -10,20 +10,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sqlalchemy import exc, select
 
-from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
+from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.storage import blobs
 from service.storage.batches import (
     NewBatch,
     NewEpisode,
     batch_status_counts,
     enqueue_batch,
-    get_batch,
-    load_batch_episodes,
-    queue_depth,
     status_counts,
 )
 from service.storage.db import Database, make_engine, make_sessionmaker, utcnow
-from service.storage.models import Episode, EpisodeTokens
+from service.storage.models import Episode
 from service.storage.queue import (
     claim_episodes,
     finish_episode,
@@ -31,6 +28,7 @@ from service.storage.queue import (
     renew_leases,
     requeue_expired,
 )
+from tests.support.reads import get_batch, load_batch_episodes, queue_depth
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 LEASE_SECONDS = 30.0
@@ -76,11 +74,11 @@ def test_blobs_refuse_bad_input() -> None:
 def test_a_result_checks_the_response_arrays() -> None:
     completed, running = EpisodeStatus.COMPLETED, EpisodeStatus.RUNNING
     with pytest.raises(ValueError, match="differ in length"):
-        EpisodeResult(completed, None, [1], [1, 2], [1], [0.0, 0.0], [], {})
+        EpisodeResult(completed, None, EpisodeTokens([1], [1, 2], [1], [0.0, 0.0]), [], {})
     with pytest.raises(ValueError, match="differ in length"):
-        EpisodeResult(completed, None, [1], [1], [1], [], [], {})
+        EpisodeResult(completed, None, EpisodeTokens([1], [1], [1], []), [], {})
     with pytest.raises(ValueError, match="finished status"):
-        EpisodeResult(running, None, [], [], [], [], [], {})
+        EpisodeResult(running, None, None, [], {})
 
 
 # --- the queue, on both backends -------------------------------------------------------------------
@@ -128,10 +126,12 @@ def outcome(length: int = 3, status: str = "completed") -> EpisodeResult:
     return EpisodeResult(
         status=EpisodeStatus(status),
         reward=1.0,
-        prompt_ids=[1, 2, 3],
-        response_ids=list(range(100, 100 + length)),
-        loss_mask=[1] * length,
-        rollout_logprobs=[-0.25] * length,
+        tokens=EpisodeTokens(
+            prompt_ids=[1, 2, 3],
+            response_ids=list(range(100, 100 + length)),
+            loss_mask=[1] * length,
+            rollout_logprobs=[-0.25] * length,
+        ),
         messages=[{"role": "user", "content": "hi"}],
         info={"reward_breakdown": {"r": 1.0}},
         turns=[TURN],

@@ -55,7 +55,7 @@ def test_trajectory_keeps_lengths_aligned() -> None:
     trajectory.add_sampled([5, 6], [-0.5, -0.25])
     trajectory.add_context([9])
     assert trajectory.input_ids() == [1, 2, 5, 6, 9]
-    assert trajectory.loss_mask == [1, 1, 0] and trajectory.logprobs == [-0.5, -0.25, 0.0]
+    assert trajectory.loss_mask == [1, 1, 0] and trajectory.rollout_logprobs == [-0.5, -0.25, 0.0]
     with pytest.raises(ValueError, match="2 sampled ids but 1 logprobs"):
         trajectory.add_sampled([1, 2], [-1.0])
 

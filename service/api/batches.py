@@ -9,16 +9,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Response
 
+from service.api.arrow import ARROW_STREAM_MEDIA_TYPE
+from service.api.batch_json import batch_summary_json, summary_item
 from service.api.deps import ServicesDep, long_poll
 from service.api.errors import DatabaseUnavailable, NotFound, responses
-from service.api.presenters import (
-    ARROW_STREAM_MEDIA_TYPE,
-    arrow_stream,
-    batch_info,
-    batch_summary_json,
-    summary_item,
-    tokens_json_stream,
-)
 from service.api.schemas import (
     BATCH_ID_PATTERN,
     BatchEpisodesOut,
@@ -27,6 +21,7 @@ from service.api.schemas import (
     BatchOut,
     CancelOut,
 )
+from service.api.streaming import arrow_stream, tokens_json_stream
 from service.app_state import Services
 from service.records import EpisodeStatus, attempt_rid_prefix
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
@@ -63,7 +58,7 @@ async def get_batches(
     return BatchListOut(
         batches=[
             BatchListItem(
-                **batch_info(listing.batch),
+                **listing.batch,
                 counts=listing.counts,
                 total=sum(listing.counts.values()),
                 reward_mean=listing.reward_mean,
@@ -93,9 +88,7 @@ async def get_batch_episodes(
     if found is None:
         raise NotFound(f"no batch {batch_id!r}")
     batch, rows = found
-    body = BatchEpisodesOut.model_validate(
-        {**batch_info(batch), "episodes": [summary_item(row) for row in rows]}
-    )
+    body = BatchEpisodesOut.model_validate({**batch, "episodes": [summary_item(row) for row in rows]})
     return Response(body.model_dump_json(), media_type="application/json")
 
 

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Path, Query, Request, status
 from sqlalchemy import select
 
 from service.api.deps import ServicesDep, long_poll
+from service.api.episode_detail import episode_detail
 from service.api.errors import (
     Conflict,
     DatabaseUnavailable,
@@ -20,7 +21,6 @@ from service.api.errors import (
     PayloadTooLarge,
     responses,
 )
-from service.api.presenters import episode_detail
 from service.api.schemas import (
     ID_PATTERN,
     AgentEndpoint,

@@ -8,10 +8,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Response
 from pydantic import StringConstraints
 
+from service.api.arrow import ARROW_STREAM_MEDIA_TYPE
+from service.api.batch_json import groups_page_json
 from service.api.deps import ServicesDep, long_poll
 from service.api.errors import DatabaseUnavailable, responses
-from service.api.presenters import ARROW_STREAM_MEDIA_TYPE, arrow_stream, groups_page_json
 from service.api.schemas import BATCH_ID_PATTERN, INT32_MAX, GroupsOut
+from service.api.streaming import arrow_stream
 from service.api.values import Text
 from service.app_state import Services
 from service.storage import groups

@@ -277,12 +277,18 @@ class BatchGroupOut(BaseModel):
     reward: RewardStatsOut
 
 
-class BatchOut(BaseModel):
+class BatchInfo(BaseModel):
+    """A batch's own fields, as its request stored them."""
+
     batch_id: str
     env: str
     task_split: str
     metadata: dict[str, Any]
     created_at: datetime
+    cancelled_at: datetime | None
+
+
+class BatchOut(BatchInfo):
     counts: dict[str, int] = Field(description="Episodes per status.")
     total: int
     finished: int
@@ -298,17 +304,6 @@ class BatchOut(BaseModel):
         description="Episodes of complete groups only: a group arrives whole, once all its samples ended. "
         "With include_tokens=true each carries its token arrays."
     )
-
-
-class BatchInfo(BaseModel):
-    """A batch's own fields, as its request stored them."""
-
-    batch_id: str
-    env: str
-    task_split: str
-    metadata: dict[str, Any]
-    created_at: datetime
-    cancelled_at: datetime | None
 
 
 class BatchListItem(BatchInfo):

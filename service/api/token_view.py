@@ -3,31 +3,12 @@ view): decoded on the server with the service's own tokenizer, once per distinct
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import accumulate
-from typing import Any
-
 import numpy as np
 
 from service.api.schemas import EpisodeTokenView, TokenTurnOut
+from service.api.token_calls import call_spans
 from service.loop.tokens import TokenTexts
 from service.storage.models import Episode
-
-
-def call_spans(loss_mask: np.ndarray[Any, Any], turns: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
-    """Where each generate call's sampled tokens lie in the response, [start, end): its tokens are
-    the next `output_tokens` of the mask-1 tokens, in order (see presenters.token_version_codes).
-    A call that sampled nothing has an empty span where the next one starts."""
-    sampled = np.flatnonzero(loss_mask)
-    counts = [int(turn.get("output_tokens") or 0) for turn in turns]
-    spans: list[tuple[int, int]] = []
-    for count, end in zip(counts, accumulate(counts), strict=True):
-        if count and end <= len(sampled):
-            spans.append((int(sampled[end - count]), int(sampled[end - 1]) + 1))
-        else:  # nothing sampled, or a damaged record: an empty span after the previous call
-            at = spans[-1][1] if spans else 0
-            spans.append((at, at))
-    return spans
 
 
 async def episode_token_view(episode: Episode, texts: TokenTexts) -> EpisodeTokenView | None:

@@ -318,10 +318,7 @@ class _Episode:
         return EpisodeResult(
             status=status,
             reward=reward,
-            prompt_ids=trajectory.prompt_ids,
-            response_ids=trajectory.response_ids,
-            loss_mask=trajectory.loss_mask,
-            rollout_logprobs=trajectory.logprobs,
+            tokens=trajectory.tokens() if trajectory.prompt_ids else None,
             messages=self.messages,
             info=self.info,
             turns=self.turns,

@@ -14,8 +14,10 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Protocol
+
+from service.records import EpisodeTokens
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +56,27 @@ class _FastTokenizer(Protocol):
 
 @dataclass
 class Trajectory:
-    """P (prompt), R (response), M (loss mask), L (logprobs) of one episode, as they grow."""
+    """The token arrays of one episode (see EpisodeTokens) as they grow; `tokens()` once done."""
 
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
     # P + R as JSON number text, extended as R grows: encoding the whole conversation on every
     # turn would cost quadratic time over an episode (half our per-turn CPU at 30 turns).
     _encoded: list[str] = field(default_factory=list, repr=False)
     _encoded_count: int = field(default=0, repr=False)
+    # The agents slice's name for rollout_logprobs (service/agents/chat.py), until it passes that.
+    logprobs: InitVar[list[float] | None] = None
+
+    def __post_init__(self, logprobs: list[float] | None) -> None:
+        if logprobs is not None:
+            self.rollout_logprobs = logprobs
+
+    def tokens(self) -> EpisodeTokens:
+        """The arrays so far as one checked value, over this trajectory's own lists: take it when
+        the trajectory grows no more."""
+        return EpisodeTokens(self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs)
 
     def input_ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
@@ -84,12 +97,12 @@ class Trajectory:
             raise ValueError(f"{len(ids)} sampled ids but {len(logprobs)} logprobs")
         self.response_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
-        self.logprobs.extend(logprobs)
+        self.rollout_logprobs.extend(logprobs)
 
     def add_context(self, ids: list[int]) -> None:
         self.response_ids.extend(ids)
         self.loss_mask.extend([0] * len(ids))
-        self.logprobs.extend([0.0] * len(ids))
+        self.rollout_logprobs.extend([0.0] * len(ids))
 
 
 class ChatTokenizer:

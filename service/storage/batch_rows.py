@@ -8,14 +8,14 @@ import operator
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, fields
-from datetime import datetime
 from functools import reduce
 from typing import Any
 
-from sqlalchemy import ColumnElement, Result, Row, Text, cast, func, select, tuple_
+from sqlalchemy import ColumnElement, Integer, Result, Row, Text, cast, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from service.records import FINISHED_STATUSES, EpisodeStatus
+from service.storage import blobs
 from service.storage.db import IN_LIST_CHUNK, Database
 from service.storage.groups import RewardStats
 from service.storage.models import TOKEN_COLUMNS, Batch, Episode, EpisodeSegment
@@ -85,8 +85,16 @@ _SEGMENT_SELECTED = [
 ]
 # What an episode's token blobs weigh, read without reading them (from the row or TOAST header).
 _TOKEN_BYTES = reduce(operator.add, [func.coalesce(func.length(column), 0) for column in TOKEN_COLUMNS])
-# An episode's summary: its scalar columns and its token arrays' sizes in bytes, the blobs unread.
-SUMMARY_SELECTED = [
+
+
+def _token_count(column: Any) -> ColumnElement[int]:
+    """An ids blob's length in tokens, read without reading it (from the row or TOAST header)."""
+    return func.length(column, type_=Integer) // blobs.ID_BYTES
+
+
+# An episode's summary, labelled as the API's EpisodeSummary names its fields: its scalar columns
+# and its token arrays' lengths, the blobs unread.
+SUMMARY_SELECTED = (
     Episode.id,
     Episode.status,
     Episode.reward,
@@ -95,25 +103,34 @@ SUMMARY_SELECTED = [
     Episode.task_index,
     Episode.attempt,
     Episode.num_turns,
-    func.length(Episode.prompt_ids).label("prompt_bytes"),
-    func.length(Episode.response_ids).label("response_bytes"),
+    _token_count(Episode.prompt_ids).label("prompt_length"),
+    _token_count(Episode.response_ids).label("response_length"),
     Episode.error,
-]
+)
+# A batch's own fields, labelled as the API's BatchInfo names them.
+BATCH_SELECTED = (
+    Batch.id.label("batch_id"),
+    Batch.env,
+    Batch.task_split,
+    Batch.metadata_.label("metadata"),
+    Batch.created_at,
+    Batch.cancelled_at,
+)
 
 
 @dataclass(frozen=True)
 class BatchHead:
     """The batch itself and where its episodes stand, in the snapshot its rows are read from."""
 
-    batch_id: str
-    env: str
-    task_split: str
-    metadata: dict[str, Any]
-    created_at: datetime
+    batch: dict[str, Any]  # BATCH_SELECTED, by label
     counts: dict[str, int]  # every status a key
     groups_total: int
     complete_groups: dict[int, int]  # group index -> its episodes, for the complete groups, in order
     group_stats: dict[int, RewardStats]  # of the complete groups
+
+    @property
+    def batch_id(self) -> str:
+        return str(self.batch["batch_id"])
 
     @property
     def groups_complete(self) -> int:
@@ -325,7 +342,7 @@ async def open_batch_rows(
                 else {"isolation_level": "AUTOCOMMIT"}
             )
         connection = await session.connection(execution_options=options)
-        batch = (await connection.execute(select(Batch.__table__).where(Batch.id == batch_id))).first()
+        batch = (await connection.execute(select(*BATCH_SELECTED).where(Batch.id == batch_id))).first()
         if batch is None:
             await session.close()
             return None
@@ -360,11 +377,7 @@ async def open_batch_rows(
             rewards.setdefault(row.group_index, []).append(row)
     complete = [group for group in sorted(sizes) if group not in unfinished]
     head = BatchHead(
-        batch_id=batch.id,
-        env=batch.env,
-        task_split=batch.task_split,
-        metadata=batch.metadata,
-        created_at=batch.created_at,
+        batch=batch._asdict(),
         counts=counts,
         groups_total=len(sizes),
         complete_groups={group: sizes[group] for group in complete},

@@ -11,12 +11,11 @@ from typing import Any
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import defer
 
 from service.records import FINISHED_STATUSES, EpisodeRequest, EpisodeStatus
 from service.storage import agents, groups
 from service.storage.db import Database, utcnow
-from service.storage.models import TOKEN_COLUMNS, Batch, Episode
+from service.storage.models import Batch, Episode
 
 
 @dataclass(frozen=True)
@@ -189,10 +188,6 @@ async def cancel_batch(
     return Cancellation(queued=len(cancelled) - len(running), running=running, counts=counts)
 
 
-async def get_batch(session: AsyncSession, batch_id: str) -> Batch | None:
-    return await session.get(Batch, batch_id)
-
-
 def _zero_counts() -> dict[str, int]:
     return {status.value: 0 for status in EpisodeStatus}
 
@@ -211,34 +206,8 @@ async def status_counts(session: AsyncSession) -> dict[str, int]:
     return _zero_counts() | {status: count for status, count in rows}
 
 
-async def queue_depth(session: AsyncSession) -> int:
-    """How many episodes wait to be claimed."""
-    count = await session.scalar(
-        select(func.count()).select_from(Episode).where(Episode.status == EpisodeStatus.QUEUED.value)
-    )
-    return int(count or 0)
-
-
 async def batch_unfinished(database: Database, batch_id: str) -> int:
     """How many episodes of the batch are queued or running (0 for an unknown batch)."""
     async with database.reader() as session:
         counts = await batch_status_counts(session, batch_id)
     return sum(count for status, count in counts.items() if status not in FINISHED_STATUSES)
-
-
-async def load_batch_episodes(
-    session: AsyncSession, batch_id: str, *, with_tokens: bool = True
-) -> list[Episode]:
-    """The batch's episodes ordered by (group_index, sample_index).
-
-    with_tokens=False leaves out the token blobs; touching one of them then raises instead of
-    loading it.
-    """
-    statement = (
-        select(Episode)
-        .where(Episode.batch_id == batch_id)
-        .order_by(Episode.group_index, Episode.sample_index)
-    )
-    if not with_tokens:
-        statement = statement.options(*(defer(column, raiseload=True) for column in TOKEN_COLUMNS))
-    return list(await session.scalars(statement))

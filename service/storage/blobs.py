@@ -1,4 +1,5 @@
 """Token arrays as compact little-endian binary: ids int32, loss mask uint8, logprobs float64.
+An EpisodeTokens is stored as four blobs, in columns named as its fields (TOKEN_BLOBS).
 
 Everything round-trips exactly: logprobs are kept as the float64 values SGLang sent (float32
 would round them, and the trainer contract says stored logprobs EQUAL the engine's).
@@ -9,7 +10,10 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable
+from dataclasses import fields
 from typing import Any
+
+from service.records import EpisodeTokens
 
 _INT32 = "i"
 _UINT8 = "B"
@@ -23,6 +27,8 @@ assert array(_INT32).itemsize == ID_BYTES and array(_UINT8).itemsize == MASK_BYT
 assert array(_FLOAT64).itemsize == LOGPROB_BYTES
 # The same formats as numpy dtypes, for reading blobs without a Python object per item.
 ID_DTYPE, MASK_DTYPE, LOGPROB_DTYPE = "<i4", "u1", "<f8"
+# The columns of an episode (and of a segment) that hold its EpisodeTokens, named as its fields.
+TOKEN_BLOBS = tuple(field.name for field in fields(EpisodeTokens))
 
 
 def _encode(typecode: str, values: Iterable[int] | Iterable[float]) -> bytes:
@@ -67,3 +73,25 @@ def encode_logprobs(logprobs: Iterable[float]) -> bytes:
 
 def decode_logprobs(data: bytes) -> list[float]:
     return _decode(_FLOAT64, data)
+
+
+def encode_tokens(tokens: EpisodeTokens) -> dict[str, bytes]:
+    """The blobs to store, by column name (TOKEN_BLOBS): what `decode_tokens` reads back."""
+    return {
+        "prompt_ids": encode_ids(tokens.prompt_ids),
+        "response_ids": encode_ids(tokens.response_ids),
+        "loss_mask": encode_mask(tokens.loss_mask),
+        "rollout_logprobs": encode_logprobs(tokens.rollout_logprobs),
+    }
+
+
+def decode_tokens(
+    prompt_ids: bytes, response_ids: bytes, loss_mask: bytes | None, rollout_logprobs: bytes | None
+) -> EpisodeTokens:
+    """From the stored blobs, in TOKEN_BLOBS' order."""
+    return EpisodeTokens(
+        prompt_ids=decode_ids(prompt_ids),
+        response_ids=decode_ids(response_ids),
+        loss_mask=decode_mask(loss_mask or b""),
+        rollout_logprobs=decode_logprobs(rollout_logprobs or b""),
+    )

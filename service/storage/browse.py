@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import Row, and_, func, or_, select
 
 from service.records import EpisodeStatus
-from service.storage.batch_rows import SUMMARY_SELECTED
+from service.storage.batch_rows import BATCH_SELECTED, SUMMARY_SELECTED
 from service.storage.db import Database
 from service.storage.models import Batch, Episode
 
@@ -19,7 +19,7 @@ from service.storage.models import Batch, Episode
 class BatchListing:
     """One batch as the list shows it: where its episodes stand and what they earned so far."""
 
-    batch: Batch
+    batch: dict[str, Any]  # BATCH_SELECTED, by label
     counts: dict[str, int]  # every status a key
     reward_mean: float | None  # over its episodes that have a reward; None: none has yet
 
@@ -38,7 +38,7 @@ async def list_batches(database: Database, *, limit: int, before: str | None = N
     """Batches newest first (created_at, then id, descending), `limit` of them, older than the batch
     `before` names when given (keyset paging: a page does not shift as new batches arrive). Raises
     UnknownCursor when `before` names no batch."""
-    statement = select(Batch).order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
+    statement = select(*BATCH_SELECTED).order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
     async with database.reader() as session:
         if before is not None:
             cursor = await session.get(Batch, before)
@@ -50,9 +50,10 @@ async def list_batches(database: Database, *, limit: int, before: str | None = N
                     and_(Batch.created_at == cursor.created_at, Batch.id < cursor.id),
                 )
             )
-        batches = list(await session.scalars(statement))
-        more = len(batches) > limit
-        batches = batches[:limit]
+        found = list(await session.execute(statement))
+        more = len(found) > limit
+        batches = [row._asdict() for row in found[:limit]]
+        ids = [batch["batch_id"] for batch in batches]
         rows = await session.execute(
             select(
                 Episode.batch_id,
@@ -61,27 +62,28 @@ async def list_batches(database: Database, *, limit: int, before: str | None = N
                 func.count(Episode.reward),
                 func.sum(Episode.reward),
             )
-            .where(Episode.batch_id.in_([batch.id for batch in batches]))
+            .where(Episode.batch_id.in_(ids))
             .group_by(Episode.batch_id, Episode.status)
         )
-    counts = {batch.id: {status.value: 0 for status in EpisodeStatus} for batch in batches}
+    counts = {batch_id: {status.value: 0 for status in EpisodeStatus} for batch_id in ids}
     rewarded: dict[str, tuple[int, float]] = {}
     for batch_id, status, count, with_reward, reward_sum in rows:
         counts[batch_id][status] = count
         seen, total = rewarded.get(batch_id, (0, 0.0))
         rewarded[batch_id] = (seen + with_reward, total + float(reward_sum or 0.0))
     listings = []
-    for batch in batches:
-        seen, total = rewarded.get(batch.id, (0, 0.0))
-        listings.append(BatchListing(batch, counts[batch.id], total / seen if seen else None))
-    return BatchListPage(batches=listings, next=batches[-1].id if more else None)
+    for batch_id, batch in zip(ids, batches, strict=True):
+        seen, total = rewarded.get(batch_id, (0, 0.0))
+        listings.append(BatchListing(batch, counts[batch_id], total / seen if seen else None))
+    return BatchListPage(batches=listings, next=ids[-1] if more else None)
 
 
 async def batch_episode_summaries(
     database: Database, batch_id: str, statuses: Sequence[str] = ()
-) -> tuple[Batch, list[Row[Any]]] | None:
-    """The batch and the summaries (batch_rows.SUMMARY_SELECTED) of its episodes, of any status or
-    of `statuses`, by group then sample; None when there is no such batch."""
+) -> tuple[dict[str, Any], list[Row[Any]]] | None:
+    """The batch (batch_rows.BATCH_SELECTED, by label) and the summaries (SUMMARY_SELECTED) of its
+    episodes, of any status or of `statuses`, by group then sample; None when there is no such
+    batch."""
     statement = (
         select(*SUMMARY_SELECTED)
         .where(Episode.batch_id == batch_id)
@@ -90,7 +92,7 @@ async def batch_episode_summaries(
     if statuses:
         statement = statement.where(Episode.status.in_(statuses))
     async with database.reader() as session:
-        batch = await session.get(Batch, batch_id)
+        batch = (await session.execute(select(*BATCH_SELECTED).where(Batch.id == batch_id))).first()
         if batch is None:
             return None
-        return batch, list(await session.execute(statement))
+        return batch._asdict(), list(await session.execute(statement))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -68,6 +68,15 @@ class RewardStats:
         # All equal: exactly 0, not the rounding residue of the sums (a filter tests std > 0).
         std = 0.0 if low == high else math.sqrt(max(0.0, squares / count - mean * mean))
         return cls(count, mean, std, low, high)
+
+    @classmethod
+    def stored(cls, group: Group) -> RewardStats:
+        """A logged group's, from its columns (`reward_count` and so on: see `columns`)."""
+        return cls(**{field.name: getattr(group, f"reward_{field.name}") for field in fields(cls)})
+
+    def columns(self) -> dict[str, Any]:
+        """The `groups` columns that store these statistics: each field prefixed `reward_`."""
+        return {f"reward_{name}": value for name, value in asdict(self).items()}
 
 
 def group_rows(
@@ -157,11 +166,7 @@ async def log_complete(
                 "key_group": group.key[1],
                 "seq": group.seq,
                 "completed_at": now or utcnow(),
-                "reward_count": group.stats.count,
-                "reward_mean": group.stats.mean,
-                "reward_std": group.stats.std,
-                "reward_min": group.stats.min,
-                "reward_max": group.stats.max,
+                **group.stats.columns(),
             }
             for group in completed
         ],
@@ -171,7 +176,7 @@ async def log_complete(
 
 def _log_statement() -> Any:
     table: Table = Group.__table__  # type: ignore[assignment]  # a declarative model's Table
-    names = ("seq", "completed_at", "reward_count", "reward_mean", "reward_std", "reward_min", "reward_max")
+    names = ("seq", "completed_at", *RewardStats(0, None, None, None, None).columns())
     return (
         update(table)
         .where(table.c.batch_id == bindparam("key_batch"), table.c.group_index == bindparam("key_group"))

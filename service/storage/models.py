@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,6 +24,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from service import records
 from service.records import EpisodeRequest, EpisodeStatus
 from service.storage import blobs
 
@@ -126,35 +127,19 @@ class Batch(Base):
     episodes: Mapped[list[Episode]] = relationship(back_populates="batch", lazy="raise")
 
 
-@dataclass(frozen=True)
-class EpisodeTokens:
-    """The decoded token arrays of a finished episode (see the trainer contract)."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
+class EpisodeTokens(records.EpisodeTokens):
+    """records.EpisodeTokens with the blob codec as methods: only for the agents slice
+    (service/agents, storage/agents.py), until it uses records.EpisodeTokens with
+    blobs.decode_tokens and blobs.encode_tokens. Nothing else should use it."""
 
     @classmethod
     def decoded(
         cls, prompt_ids: bytes, response_ids: bytes, loss_mask: bytes | None, rollout_logprobs: bytes | None
-    ) -> EpisodeTokens:
-        """From the stored blobs (see `blobs`)."""
-        return cls(
-            prompt_ids=blobs.decode_ids(prompt_ids),
-            response_ids=blobs.decode_ids(response_ids),
-            loss_mask=blobs.decode_mask(loss_mask or b""),
-            rollout_logprobs=blobs.decode_logprobs(rollout_logprobs or b""),
-        )
+    ) -> records.EpisodeTokens:
+        return blobs.decode_tokens(prompt_ids, response_ids, loss_mask, rollout_logprobs)
 
     def encoded(self) -> dict[str, bytes]:
-        """The blobs to store, by column name: what `decoded` reads back."""
-        return {
-            "prompt_ids": blobs.encode_ids(self.prompt_ids),
-            "response_ids": blobs.encode_ids(self.response_ids),
-            "loss_mask": blobs.encode_mask(self.loss_mask),
-            "rollout_logprobs": blobs.encode_logprobs(self.rollout_logprobs),
-        }
+        return blobs.encode_tokens(self)
 
 
 class Episode(Base):
@@ -218,16 +203,11 @@ class Episode(Base):
 
     batch: Mapped[Batch] = relationship(back_populates="episodes", lazy="raise")
 
-    def request(self) -> EpisodeRequest:
-        return EpisodeRequest(**{field.name: getattr(self, field.name) for field in fields(EpisodeRequest)})
-
-    def tokens(self) -> EpisodeTokens | None:
+    def tokens(self) -> records.EpisodeTokens | None:
         """The decoded token arrays, or None when the episode stored none (unfinished, failed)."""
         if self.prompt_ids is None or self.response_ids is None:
             return None
-        return EpisodeTokens.decoded(
-            self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs
-        )
+        return blobs.decode_tokens(self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs)
 
 
 class Group(Base):
@@ -257,7 +237,7 @@ class Group(Base):
 
 # The columns that hold an EpisodeRequest, named as its fields.
 REQUEST_COLUMNS = tuple(Episode.__table__.c[field.name] for field in fields(EpisodeRequest))
-TOKEN_COLUMNS = (Episode.prompt_ids, Episode.response_ids, Episode.loss_mask, Episode.rollout_logprobs)
+TOKEN_COLUMNS = tuple(getattr(Episode, name) for name in blobs.TOKEN_BLOBS)
 
 
 class EpisodeSegment(Base):
@@ -274,3 +254,6 @@ class EpisodeSegment(Base):
     rollout_logprobs: Mapped[bytes] = mapped_column(LargeBinary)
     turns: Mapped[list[Any]] = mapped_column(JSON)
     messages: Mapped[list[Any]] = mapped_column(JSON)
+
+    def tokens(self) -> records.EpisodeTokens:
+        return blobs.decode_tokens(self.prompt_ids, self.response_ids, self.loss_mask, self.rollout_logprobs)

@@ -17,9 +17,10 @@ from sqlalchemy import ColumnElement, Row, String, Table, Update, bindparam, cas
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
-from service.storage.agents import EXTERNAL_OWNER, TOKEN_BLOBS
+from service.storage import blobs
+from service.storage.agents import EXTERNAL_OWNER
 from service.storage.db import IN_LIST_CHUNK, utcnow
-from service.storage.models import REQUEST_COLUMNS, Batch, Episode, EpisodeTokens
+from service.storage.models import REQUEST_COLUMNS, Batch, Episode
 from service.storage.writer import Transactions
 
 _QUEUED = EpisodeStatus.QUEUED.value
@@ -55,11 +56,9 @@ class ClaimedEpisode:
 
 
 def _result_columns(result: EpisodeResult) -> dict[str, Any]:
-    tokens: dict[str, bytes | None] = dict.fromkeys(TOKEN_BLOBS)
-    if result.has_tokens:
-        tokens |= EpisodeTokens(
-            result.prompt_ids, result.response_ids, result.loss_mask, result.rollout_logprobs
-        ).encoded()
+    tokens: dict[str, bytes | None] = dict.fromkeys(blobs.TOKEN_BLOBS)
+    if result.tokens is not None:
+        tokens |= blobs.encode_tokens(result.tokens)
     return {
         "status": result.status.value,
         "reward": result.reward,

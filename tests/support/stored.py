@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import uuid
 
-from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
+from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
 from service.storage.db import Database
 from service.storage.queue import claim_episodes, finish_episode
@@ -35,10 +35,7 @@ def synthetic_result(rng: random.Random, tokens: int, turns: int) -> EpisodeResu
     return EpisodeResult(
         status=EpisodeStatus.COMPLETED if rng.random() < 0.8 else EpisodeStatus.TRUNCATED,
         reward=float(rng.random() < 0.5),
-        prompt_ids=[rng.randrange(VOCABULARY) for _ in range(200)],
-        response_ids=ids,
-        loss_mask=mask,
-        rollout_logprobs=logprobs,
+        tokens=EpisodeTokens([rng.randrange(VOCABULARY) for _ in range(200)], ids, mask, logprobs),
         messages=[{"role": "user", "content": "a synthetic episode"}],
         info={},
         turns=records,

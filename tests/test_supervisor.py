@@ -23,6 +23,7 @@ from service.storage.db import Database
 from service.storage.models import Episode
 from service.supervisor import process_settings
 from tests.support.contract import assert_trainer_contract, sim_calls
+from tests.support.ports import free_port
 from tests.support.service_process import (
     FINISHED,
     REPO_DIR,
@@ -30,7 +31,6 @@ from tests.support.service_process import (
     ServiceProcess,
     attempts_seen,
     episodes_of,
-    free_port,
     service_process,
     simulated_sglang,
     submit,

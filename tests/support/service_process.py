@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +20,7 @@ from sqlalchemy import select
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.storage.db import Database
 from service.storage.models import Episode
+from tests.support.ports import free_port
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_SECONDS = 60.0
@@ -39,12 +39,6 @@ SERVICE_ENV: dict[str, object] = {
     "env_executor": "process",
     "env_workers": 1,
 }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @asynccontextmanager

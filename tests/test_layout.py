@@ -5,6 +5,7 @@ runs the wrong way; the client imports nothing of the service's."""
 from __future__ import annotations
 
 import configparser
+import re
 import subprocess
 import sys
 import tomllib
@@ -138,3 +139,47 @@ def test_the_client_stands_alone() -> None:
     pyproject = tomllib.loads((PACKAGE_DIR.parent / "client" / "pyproject.toml").read_text())
     names = {requirement.split(">")[0].split("=")[0] for requirement in pyproject["project"]["dependencies"]}
     assert names == {"httpx", "pyarrow", "numpy"}
+
+
+# --- The README's layout -----------------------------------------------------------------------------
+
+
+def readme_layout() -> list[tuple[str, str]]:
+    """(entry, its description) per entry of the README's layout block, an entry indented under a
+    folder as `<folder>/<name>`."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## Layout\n\n```\n", 1)[1].split("```\n", 1)[0]
+    entries: list[tuple[str, str]] = []
+    folder = ""
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip())
+        name, _, description = line.strip().partition(" ")
+        if indent == 0:
+            entries.append((name, description))
+            folder = name
+        elif indent == 2:
+            entries.append((folder + name, description))
+        else:  # a description's continuation
+            entry, text = entries[-1]
+            entries[-1] = (entry, f"{text} {line.strip()}")
+    return entries
+
+
+def test_the_readme_layout_matches_the_tree() -> None:
+    entries = readme_layout()
+    for entry, description in entries:
+        assert (ROOT / entry).exists(), f"the README's layout names {entry}, which is not in the tree"
+        folder = ROOT / entry if entry.endswith("/") else (ROOT / entry).parent
+        for named in re.findall(r"\b[\w/]+\.py\b", description):
+            where = folder.relative_to(ROOT)
+            assert (folder / named).exists(), f"the README's layout puts {named} in {where}"
+    service_text = " ".join(f"{entry} {text}" for entry, text in entries if entry.startswith("service/"))
+    for path in PACKAGE_DIR.iterdir():
+        name = path.name + "/" if path.is_dir() else path.name
+        if name in {"__init__.py", "__pycache__/"} or not (path.is_dir() or name.endswith(".py")):
+            continue
+        named = re.search(rf"(^|[\s(/]){re.escape(name)}", service_text)
+        assert named, f"the README's layout lacks service/{name}"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    folders = {line.split("/")[0] + "/" for line in tracked.stdout.splitlines() if "/" in line[1:]}
+    assert folders - {".ci/"} <= {entry for entry, _ in entries}, "the README's layout lacks a folder"

@@ -19,14 +19,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m service demo
 
-# Lint, type-check, then the whole suite on SQLite and on the local PostgreSQL (started if it is
-# installed but down) with the viewer's browser tests in Debian's Chromium (installed if missing,
-# as root). Where either cannot be had, its tests are skipped with that reason, except on CI.
+# Lint, type-check, check the layers (pyproject.toml's [tool.importlinter]), then the whole suite
+# on SQLite and on the local PostgreSQL (started if it is installed but down) with the viewer's
+# browser tests in Debian's Chromium (installed if missing, as root). Where either cannot be had,
+# its tests are skipped with that reason, except on CI.
 test: lint pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check service client tests bench scripts docker examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 pytest: $(STAMP)
 	@scripts/ensure_postgres.sh; postgres=$$?; \

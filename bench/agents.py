@@ -37,13 +37,13 @@ import orjson  # noqa: E402
 from bench.common import (  # noqa: E402
     HealthProbe,
     cpu_seconds_of,
-    free_port,
     fresh_database,
     percentiles_ms,
     sim_worker,
     stop,
     wait_healthy,
 )
+from tests.support.ports import free_port  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant of an online shop."}
 GOAL = (

@@ -48,11 +48,12 @@ import httpx
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from bench.common import free_port, fresh_database, wait_healthy
+from bench.common import fresh_database, wait_healthy
 from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
 from service.storage.db import Database
 from service.storage.queue import claim_episodes, finish_episode
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ARROW = "application/vnd.apache.arrow.stream"

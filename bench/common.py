@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ from typing import Any, TypeVar
 import asyncpg
 import httpx
 
+from tests.support.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 POSTGRES_HOST = os.environ.get("BENCH_POSTGRES_HOST", "postgres@127.0.0.1:5432")
 START_TIMEOUT_SECONDS = 120.0
@@ -28,12 +29,6 @@ STOP_TIMEOUT_SECONDS = 60.0
 SHOP_TEST_TASKS = 50  # builtin/shop's test split
 HEALTH_INTERVAL_SECONDS = 0.2
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:

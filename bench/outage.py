@@ -36,6 +36,7 @@ from sqlalchemy.engine import make_url  # noqa: E402
 from bench.common import fresh_database, run_loop  # noqa: E402
 from service.app import create_app  # noqa: E402
 from service.config import Settings  # noqa: E402
+from service.records import FINISHED_STATUSES  # noqa: E402
 from service.serving import serve_app  # noqa: E402
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread  # noqa: E402
 from service.storage.db import Database  # noqa: E402
@@ -44,7 +45,6 @@ from tests.support.polling import until  # noqa: E402
 from tests.support.tcp_proxy import TcpProxy  # noqa: E402
 
 LEASE_SECONDS = 5.0
-FINISHED = {"completed", "truncated", "aborted", "failed"}
 GOAL = "0 episodes re-run and 0 failures after a 30 s outage"
 
 
@@ -93,7 +93,7 @@ async def measure(database_url: str, episode_count: int, outage: float, latency:
             return len({r.rid.split(":")[0] for r in sim.requests}) == total
 
         await until(all_started, timeout_seconds=120)
-        stored_before = sum(e.status in FINISHED for e in await episodes(database, batch_id))
+        stored_before = sum(e.status in FINISHED_STATUSES for e in await episodes(database, batch_id))
         proxy.cut()
         answers: Counter[str] = Counter()
         cut_at = time.monotonic()
@@ -106,7 +106,7 @@ async def measure(database_url: str, episode_count: int, outage: float, latency:
         proxy.restore()
         restored_at = time.monotonic()
         rows = await episodes(database, batch_id)
-        while not all(e.status in FINISHED for e in rows):
+        while not all(e.status in FINISHED_STATUSES for e in rows):
             await asyncio.sleep(0.1)  # polling the database, as a trainer would
             rows = await episodes(database, batch_id)
         recovered = time.monotonic() - restored_at

@@ -33,7 +33,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import (  # noqa: E402
-    free_port,
     fresh_database,
     percentiles_ms,
     run_loop,
@@ -41,6 +40,7 @@ from bench.common import (  # noqa: E402
     stop,
     wait_healthy,
 )
+from tests.support.ports import free_port  # noqa: E402
 
 SHOP_TRAIN_TASKS = 200
 HEALTH_INTERVAL_SECONDS = 0.2

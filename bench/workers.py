@@ -39,12 +39,12 @@ from bench.common import (  # noqa: E402
     SHOP_TEST_TASKS,
     START_TIMEOUT_SECONDS,
     HealthProbe,
-    free_port,
     fresh_database,
     sim_worker,
     stop,
     wait_healthy,
 )
+from tests.support.ports import free_port  # noqa: E402
 
 LONG_POLL_SECONDS = 300.0  # the service's MAX_LONG_POLL_SECONDS
 GOAL_RATIO = 1.7  # issue 10: 2 processes on 2 cores

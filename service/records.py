@@ -19,9 +19,18 @@ class EpisodeStatus(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     COMPLETED = "completed"  # the environment said done
-    TRUNCATED = "truncated"  # turn limit, a turn cut at max_new_tokens, or the response-token budget
-    ABORTED = "aborted"  # the engine aborted the request, an unparseable tool call, an env error
-    FAILED = "failed"  # infrastructure error after retries; `error` says which
+    # The turn limit, a turn cut at max_new_tokens, the response-token budget, the context length,
+    # or the episode's deadline.
+    TRUNCATED = "truncated"
+    # The policy's doing: an unparseable tool call, an env error it caused, or a turn the engine
+    # refused (an abort with a 4xx status). An engine abort of a turn (a weight update, a pause) is
+    # none of these: the turn resumes where it stopped (loop/runner.py's sample_turn).
+    ABORTED = "aborted"
+    # Not the policy's doing, after retries: an engine error or a request the engine answered with
+    # an HTTP error, the env's infrastructure (a user simulator's endpoint, a hung call), an env
+    # worker's crash, or a turn the engine still aborted after MAX_TURN_RESUMES resumes. `error`
+    # says which.
+    FAILED = "failed"
     CANCELLED = "cancelled"  # its batch was cancelled (POST /batches/{id}/cancel) before it finished
 
     @property

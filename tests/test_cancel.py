@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.app import create_app
+from service.records import FINISHED_STATUSES
 from service.serving import serve_app
 from service.sim.policy import SimConfig
 from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
@@ -21,7 +22,6 @@ from service.storage.db import Database
 from tests.conftest import service_settings
 from tests.support.service_process import episodes_of, service_process, submission, wait_for
 
-FINISHED = {"completed", "truncated", "aborted", "failed"}
 SLOW_TURN_SECONDS = 0.4  # long enough that a cancel finds episodes mid-turn
 QUIET_SECONDS = 1.0  # after a cancel, how long no cancelled episode may call the engine
 # A worker in another process finds its episodes' batch cancelled within this (its poll: 0.5 s).
@@ -100,7 +100,7 @@ async def test_cancel_ends_queued_and_running_episodes_and_keeps_finished_ones(
     assert all(
         episode.finished_at is not None and "cancelled" in (episode.error or "") for episode in cancelled
     )
-    assert all(episode.status in FINISHED | {"cancelled"} for episode in episodes)
+    assert all(episode.status in FINISHED_STATUSES for episode in episodes)
     assert await metric(slow_client, "rollout_episodes_cancelled_total", when="running") == 2
     assert (
         await metric(slow_client, "rollout_episodes_cancelled_total", when="queued") == body["cancelled"] - 2
@@ -109,7 +109,7 @@ async def test_cancel_ends_queued_and_running_episodes_and_keeps_finished_ones(
     # Final everywhere: the batch is complete, its groups arrive with their cancelled samples.
     batch = (await slow_client.get("/batches/c-1", params={"wait": 5})).json()
     assert batch["complete"] and batch["groups_complete"] == 4
-    assert {episode["status"] for episode in batch["episodes"]} <= FINISHED | {"cancelled"}
+    assert {episode["status"] for episode in batch["episodes"]} <= FINISHED_STATUSES
     one = (await slow_client.get(f"/episodes/{cancelled[0].id}")).json()
     assert one["status"] == "cancelled"
 

@@ -27,9 +27,9 @@ from service.serving import serve_app
 from service.sim.worker import SimWorker
 from service.storage.db import Database
 from tests.conftest import service_settings
+from tests.support.ports import free_port, refused_url
 from tests.support.service_process import (
     episodes_of,
-    free_port,
     service_process,
     simulated_sglang,
     submission,
@@ -177,15 +177,15 @@ async def test_errors_carry_the_service_message(client: httpx.AsyncClient) -> No
 
 
 async def test_retries_give_up_with_service_unavailable() -> None:
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    async with AsyncRolloutClient(url, retries=2, backoff=0.01) as rollouts:
-        with pytest.raises(ServiceUnavailable, match="failed 3 times; last: ConnectError"):
-            await rollouts.envs()
+    with refused_url() as url:
+        async with AsyncRolloutClient(url, retries=2, backoff=0.01) as rollouts:
+            with pytest.raises(ServiceUnavailable, match="failed 3 times; last: ConnectError"):
+                await rollouts.envs()
 
 
 def test_a_wait_on_a_dead_service_ends_at_its_timeout() -> None:
     """The default retries would pause some 45 s in all: a wait's deadline cuts them short."""
-    with RolloutClient(f"http://127.0.0.1:{free_port()}") as rollouts:
+    with refused_url() as url, RolloutClient(url) as rollouts:
         started = time.monotonic()
         with pytest.raises(WaitTimeout, match="last: ConnectError"):
             rollouts.wait("b-1", timeout=1.0)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import httpx
 
+from service.records import FINISHED_STATUSES
 from service.storage.db import Database
 from tests.support.contract import assert_trainer_contract, sim_calls
 from tests.support.service_process import (
-    FINISHED,
     attempts_seen,
     episodes_of,
     service_process,
@@ -56,7 +56,7 @@ async def test_killed_process_episodes_rerun_once_under_a_new_attempt(
             episode.id: episode for batch in ("done", "crash") for episode in await episodes_of(db, batch)
         }
         interrupted = {id_ for id_, episode in at_kill.items() if episode.status == "running"}
-        finished_before = {id_ for id_, episode in at_kill.items() if episode.status in FINISHED}
+        finished_before = {id_ for id_, episode in at_kill.items() if episode.status in FINISHED_STATUSES}
         assert interrupted and finished_before, {id_: episode.status for id_, episode in at_kill.items()}
         assert interrupted | finished_before == set(episode_ids)  # every episode was claimed at once
 

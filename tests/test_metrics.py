@@ -9,12 +9,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
+from service.records import FINISHED_STATUSES
 from service.storage.db import Database
 from service.storage.models import Episode
 
 TASKS, SAMPLES = 3, 2
-FINISHED_LABELS = {"completed", "truncated", "aborted", "failed", "cancelled"}
-ALL_STATUSES = FINISHED_LABELS | {"queued", "running"}
+ALL_STATUSES = FINISHED_STATUSES | {"queued", "running"}
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -71,7 +71,7 @@ async def test_metrics_agree_with_the_stored_batch(client: httpx.AsyncClient, db
 
     assert after[("rollout_episodes_submitted_total", ())] == TASKS * SAMPLES
     finished = by_label(after, "rollout_episodes_finished_total", "status")
-    assert set(finished) == FINISHED_LABELS
+    assert set(finished) == FINISHED_STATUSES
     assert sum(finished.values()) == TASKS * SAMPLES
     assert {status: count for status, count in finished.items() if count} == statuses
 

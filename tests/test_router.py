@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from service.engine.client import EngineRequestError, SGLangClient
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from tests.support.polling import until
+from tests.support.ports import free_port
 
 ROUTER_START_TIMEOUT_SECONDS = 60.0
 ROUTER_STOP_TIMEOUT_SECONDS = 10.0
@@ -45,13 +45,6 @@ class RouterSetup:
     url: str
     workers: dict[str, SimWorker]  # worker URL -> its simulated worker
     log: Path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_ready(router_url: str, process: subprocess.Popen[bytes], log: Path) -> None:

@@ -11,12 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.records import FINISHED_STATUSES
 from service.sim.worker import SimWorker
 from service.storage.db import Database
 from service.storage.models import Episode
 from tests.support.contract import assert_trainer_contract, sim_calls
 from tests.support.service_process import (
-    FINISHED,
     attempts_seen,
     episodes_of,
     service_process,
@@ -64,7 +64,7 @@ async def test_sigterm_releases_unfinished_episodes_after_the_timeout(
                 early = {r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":1")} - {
                     r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":2")
                 }
-                return any(episode.status in FINISHED for episode in episodes) and any(
+                return any(episode.status in FINISHED_STATUSES for episode in episodes) and any(
                     episode.status == "running" and episode.id in early for episode in episodes
                 )
 
@@ -86,17 +86,17 @@ async def test_sigterm_releases_unfinished_episodes_after_the_timeout(
         assert f"released {len(released)} unfinished episodes back to the queue" in messages, messages
         for id_, episode in after.items():
             assert episode.status != "running"
-            if before[id_].status in FINISHED:
+            if before[id_].status in FINISHED_STATUSES:
                 assert episode.status == before[id_].status and episode.finished_at == before[id_].finished_at
             if before[id_].status == "running":  # finished while draining, or released
-                assert episode.status in FINISHED or id_ in released
+                assert episode.status in FINISHED_STATUSES or id_ in released
             if episode.status == "queued":
                 assert episode.lease_owner is None and episode.lease_expires_at is None
                 assert episode.started_at is None and episode.response_ids is None
                 if id_ not in released:  # never claimed: the process stopped claiming at SIGTERM
                     assert episode.attempt == 0 and not attempts_seen(sim, id_)
             else:
-                assert episode.status in FINISHED and episode.attempt == 0
+                assert episode.status in FINISHED_STATUSES and episode.attempt == 0
 
         async with service_process(tmp_path, database_url, sglang_url, "second"):
             episodes = await wait_batch_finished(db, "drain", FINISH_TIMEOUT_SECONDS)
@@ -140,7 +140,7 @@ async def test_sigterm_lets_in_flight_episodes_finish_within_a_generous_timeout(
     for episode in after:
         assert episode.attempt == 0  # nothing was released
         if episode.id in running_before:
-            assert episode.status in FINISHED
+            assert episode.status in FINISHED_STATUSES
         if episode.status == "queued":
             # Never claimed: the draining process stopped claiming at SIGTERM.
             assert episode.attempt == 0 and episode.lease_owner is None and not attempts_seen(sim, episode.id)

@@ -17,20 +17,20 @@ import pytest
 
 from service.__main__ import main
 from service.config import Settings
+from service.records import FINISHED_STATUSES
 from service.sim.worker import SimWorker
 from service.sockets import listen
 from service.storage.db import Database
 from service.storage.models import Episode
 from service.supervisor import process_settings
 from tests.support.contract import assert_trainer_contract, sim_calls
+from tests.support.ports import free_port
 from tests.support.service_process import (
-    FINISHED,
     REPO_DIR,
     SERVICE_ENV,
     ServiceProcess,
     attempts_seen,
     episodes_of,
-    free_port,
     service_process,
     simulated_sglang,
     submit,
@@ -83,7 +83,7 @@ async def run_watching_owners(db: Database, batch_id: str) -> tuple[list[Episode
         for episode in episodes:
             if episode.status == "running" and episode.lease_owner is not None:
                 owners[episode.id].add(episode.lease_owner)
-        return all(episode.status in FINISHED for episode in episodes)
+        return all(episode.status in FINISHED_STATUSES for episode in episodes)
 
     await wait_for(finished, FINISH_TIMEOUT_SECONDS, f"batch {batch_id} to finish")
     return await episodes_of(db, batch_id), owners

@@ -28,7 +28,7 @@ from service.envs.executors import (
     ignore_outcome,
     worker_name,
 )
-from service.envs.session import EnvSession
+from service.envs.session import EnvWorkerSession
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ SHUTDOWN_GRACE_SECONDS = 10.0  # close() lets running calls finish this long, th
 
 
 class EnvHost:
-    """Env workers for the episode runner: `open()` an EnvSession per episode, then reset/step it.
+    """Env workers for the episode runner: `open()` an EnvWorkerSession per episode, then reset/step it.
 
     `envs` defaults to `registry.available_envs()`; tests pass their own specs. Worker processes
     start at the first `open` (or `worker_pids`), on the running event loop.
@@ -119,7 +119,7 @@ class EnvHost:
             raise EnvNotFound(f"unknown environment {env_name!r}; known: {sorted(self._envs)}")
         return spec
 
-    async def open(self, env_name: str, split: str, episode_key: str) -> EnvSession:
+    async def open(self, env_name: str, split: str, episode_key: str) -> EnvWorkerSession:
         """Builds the episode's environment in the least-loaded worker, where it stays."""
         spec = self._spec(env_name)
         if split not in spec.splits:
@@ -131,7 +131,7 @@ class EnvHost:
         for attempt in range(2):
             worker = min(self._live_workers(), key=lambda w: w.sessions)
             key = f"{self._id}:{next(self._keys)}:{episode_key}"
-            session = EnvSession(self, worker, key, episode_key)
+            session = EnvWorkerSession(self, worker, key, episode_key)
             try:
                 system_prompt, tools, pid = await self._open_in(worker, key, spec, split, episode_key)
             except EnvWorkerCrashed:

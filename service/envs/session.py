@@ -30,8 +30,9 @@ class EnvCalls(Protocol):
         """Awaits a call; past the call timeout raises EnvCallTimeout and leaves the call running."""
 
 
-class EnvSession:
-    """One episode's environment, living in one env worker. Its calls run one at a time, in order."""
+class EnvWorkerSession:
+    """One episode's environment, living in one env worker: what EnvHost.open gives the runner as
+    its EnvSession (loop/runner.py). Its calls run one at a time, in order."""
 
     system_prompt: str
     tools: list[dict[str, Any]]

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,14 +17,15 @@ from typing import Any
 import httpx
 from sqlalchemy import select
 
+from service.records import FINISHED_STATUSES
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.storage.db import Database
 from service.storage.models import Episode
+from tests.support.ports import free_port
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_SECONDS = 60.0
 POLL_SECONDS = 0.05
-FINISHED = {"completed", "truncated", "aborted", "failed", "cancelled"}
 # The settings the service runs with in subprocess tests, as environment variables (keyword
 # arguments of `service_process` override them): INFO logs, which the tests read; a short lease
 # and fast sweep and claim loops, so that recovery happens within a test's timeouts; one env
@@ -39,12 +39,6 @@ SERVICE_ENV: dict[str, object] = {
     "env_executor": "process",
     "env_workers": 1,
 }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @asynccontextmanager
@@ -162,7 +156,7 @@ async def episodes_of(db: Database, batch_id: str) -> list[Episode]:
 
 async def wait_batch_finished(db: Database, batch_id: str, timeout: float) -> list[Episode]:
     async def finished() -> bool:
-        return all(episode.status in FINISHED for episode in await episodes_of(db, batch_id))
+        return all(episode.status in FINISHED_STATUSES for episode in await episodes_of(db, batch_id))
 
     await wait_for(finished, timeout, f"batch {batch_id} to finish")
     return await episodes_of(db, batch_id)

@@ -1,0 +1,167 @@
+"""What every trainer adapter does with one step: submit its groups as one service batch under an id
+derived from the step, take the complete groups from GET /groups (Arrow) as they finish, and cancel
+the batch if the trainer's step is cancelled. No trainer is imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout_client.batch import EpisodeArrays
+from rollout_client.client import AsyncRolloutClient, RolloutClient
+from rollout_client.errors import RequestError, RolloutError
+
+GROUPS_WAIT_SECONDS = 10.0  # one long-poll of GET /groups for the step's next groups
+GROUPS_PER_PAGE = 256  # groups per page of GET /groups, at most
+# Trained on: the policy's own episodes. An aborted episode (the engine refused it, or the policy's
+# output could not be parsed) and a failed or cancelled one (infrastructure, or nobody's) are not.
+TRAINABLE_STATUSES = frozenset({"completed", "truncated"})
+
+
+def batch_id(*parts: object) -> str:
+    """A batch id from its parts, within the service's alphabet ([A-Za-z0-9._:-], 128 characters)."""
+    return re.sub(r"[^A-Za-z0-9._:-]", "_", "-".join(str(part) for part in parts))[:128]
+
+
+def digest(value: object) -> str:
+    """A short stable hash of a JSON-able value: what tells two steps' contents apart in a batch id."""
+    return hashlib.sha256(json.dumps(value, default=str, sort_keys=True).encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One trainer step as one service batch: `tasks[g]` is group g's task, `samples` per group."""
+
+    batch_id: str
+    env: str
+    tasks: Sequence[int]
+    samples: int
+    task_split: str | None = None
+    sampling_params: Mapping[str, Any] | None = None
+    max_turns: int | None = None
+    max_response_tokens: int | None = None
+    metadata: Mapping[str, Any] | None = None
+
+    def submit_fields(self) -> dict[str, Any]:
+        return {
+            "samples_per_task": self.samples,
+            "task_split": self.task_split,
+            "sampling_params": dict(self.sampling_params) if self.sampling_params is not None else None,
+            "max_turns": self.max_turns,
+            "max_response_tokens": self.max_response_tokens,
+            "metadata": dict(self.metadata) if self.metadata is not None else None,
+            "batch_id": self.batch_id,
+        }
+
+
+@dataclass
+class StepCounts:
+    """What a step's episodes were, by status, and what the adapter did to fit the trainer."""
+
+    statuses: dict[str, int] = field(default_factory=dict)
+    masked: int = 0  # episodes kept in the batch with a zero mask (the trainer needs every row)
+    dropped: int = 0  # episodes left out (the trainer takes fewer rows)
+    cut: int = 0  # responses cut at the trainer's length cap (mask and logprobs cut alike)
+    groups_pages: int = 0  # GET /groups calls the step made
+
+    def count(self, episodes: Iterable[EpisodeArrays]) -> None:
+        for episode in episodes:
+            self.statuses[episode.status] = self.statuses.get(episode.status, 0) + 1
+
+    def metrics(self, prefix: str = "rollout_service/") -> dict[str, float]:
+        values: dict[str, float] = {
+            f"{prefix}{status}": float(n) for status, n in sorted(self.statuses.items())
+        }
+        values.update({
+            f"{prefix}masked": float(self.masked),
+            f"{prefix}dropped": float(self.dropped),
+            f"{prefix}cut": float(self.cut),
+            f"{prefix}groups_requests": float(self.groups_pages),
+        })  # fmt: skip
+        return values
+
+
+def _check_group(step: StepBatch, group: int, episodes: list[EpisodeArrays]) -> None:
+    if len(episodes) != step.samples:
+        raise RuntimeError(
+            f"group {group} of batch {step.batch_id} came back with {len(episodes)} episodes, "
+            f"not {step.samples}"
+        )
+
+
+def pull_step(client: RolloutClient, step: StepBatch, counts: StepCounts) -> list[list[EpisodeArrays]]:
+    """Submits the step (idempotent: a repeated id gets the same episodes back) and returns every
+    group, in the step's group order, each in sample order. If the wait is interrupted (the trainer
+    stops the step: KeyboardInterrupt, an error in another thread's callback), the batch is cancelled."""
+    client.submit(step.env, step.tasks, **step.submit_fields())
+    groups: dict[int, list[EpisodeArrays]] = {}
+    cursor = 0
+    try:
+        while len(groups) < len(step.tasks):
+            page = client.groups(cursor, GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS, batch_id=step.batch_id)
+            counts.groups_pages += 1
+            for (_, group), episodes in page.groups().items():
+                _check_group(step, group, episodes)
+                groups[group] = episodes
+            cursor = page.next
+    except BaseException:
+        _cancel_quietly(client, step.batch_id)
+        raise
+    ordered = [groups[group] for group in range(len(step.tasks))]
+    for episodes in ordered:
+        counts.count(episodes)
+    return ordered
+
+
+def _cancel_quietly(client: RolloutClient, batch_id: str) -> None:
+    try:
+        client.cancel(batch_id)
+    except RolloutError:  # the step's own error is the one to raise
+        pass
+
+
+async def pull_step_async(
+    client: AsyncRolloutClient, step: StepBatch, counts: StepCounts
+) -> list[list[EpisodeArrays]]:
+    """pull_step for an asyncio trainer: if the task is cancelled (even while its POST is in flight),
+    the batch is cancelled in the service once the POST has ended, and the cancellation goes on."""
+    submitting = asyncio.ensure_future(client.submit(step.env, step.tasks, **step.submit_fields()))
+    groups: dict[int, list[EpisodeArrays]] = {}
+    cursor = 0
+    try:
+        await asyncio.shield(submitting)
+        while len(groups) < len(step.tasks):
+            page = await client.groups(cursor, GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS, batch_id=step.batch_id)
+            counts.groups_pages += 1
+            for (_, group), episodes in page.groups().items():
+                _check_group(step, group, episodes)
+                groups[group] = episodes
+            cursor = page.next
+    except asyncio.CancelledError:
+        await asyncio.shield(_cancel_once_submitted(client, submitting, step.batch_id))
+        raise
+    ordered = [groups[group] for group in range(len(step.tasks))]
+    for episodes in ordered:
+        counts.count(episodes)
+    return ordered
+
+
+async def _cancel_once_submitted(
+    client: AsyncRolloutClient, submitting: asyncio.Future[Any], batch_id: str
+) -> None:
+    """A cancel sent before the POST landed would find no batch while its episodes run on."""
+    try:
+        await submitting
+    except RolloutError:  # refused, or no answer: whether the batch exists, the cancel finds out
+        pass
+    try:
+        await client.cancel(batch_id)
+    except RequestError as error:
+        if error.status_code != 404:  # the service never took the batch: nothing to stop
+            raise

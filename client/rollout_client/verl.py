@@ -1,0 +1,319 @@
+"""verl's agent-loop manager, backed by the rollout service: one config line plugs it in.
+
+    actor_rollout_ref.rollout.agent.agent_loop_manager_class=rollout_client.verl.RolloutServiceAgentLoopManager
+
+Follows verl at commit b178a3cd56f58b2d502255daba591e92833930a7 (2026-01-29): RayPPOTrainer loads
+the class named by `agent_loop_manager_class` (verl/trainer/ppo/ray_trainer.py), builds it with
+`(config, worker_group, rollout_resource_pool, rm_resource_pool)`, reads `rollout_replicas`, and
+calls `generate_sequences(gen_batch)` once per step with the prompts repeated `rollout.n` times,
+interleaved; the DataProto it returns is `union`ed row by row with the step's batch, so it has the
+same rows in the same order, the tensors AgentLoopWorker._postprocess makes (verl/experimental/
+agent_loop/agent_loop.py: prompts left-padded to `rollout.prompt_length`, responses, response_mask,
+rollout_log_probs right-padded to `rollout.response_length`, input_ids, attention_mask,
+position_ids, rm_scores with the reward on the last response token), `__num_turns__` and
+`multi_modal_inputs` per row, and `meta_info["timing"]`.
+
+Configured by environment variables, as rollout_client.slime: ROLLOUT_SERVICE_URL, ROLLOUT_ENV,
+and optionally ROLLOUT_API_KEY, ROLLOUT_TASK_SPLIT (default `train`), ROLLOUT_EVAL_TASK_SPLIT
+(default `test`, verl's validation), ROLLOUT_MAX_TURNS, ROLLOUT_RUN_ID (names the run's batches;
+by default a hash of the trainer's project, experiment and model). A row's task is
+`extra_info["task_index"]`, else verl's `index` (the dataset's `extra_info.index`).
+
+verl has no row it can leave out: an episode that failed, was aborted or cancelled keeps its row
+with response_mask all 0 (so no loss), and its rm_score is the mean of its group's trained rewards
+(so it does not move the group's GRPO baseline); counted in meta_info["rollout_service"].
+A response longer than `rollout.response_length` (the service caps the sampled tokens there, but
+a tool result after the last turn can overrun) is cut with its mask and logprobs, and counted.
+
+verl, torch and transformers are imported when the manager is used: this module imports without them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from rollout_client.batch import EpisodeArrays
+from rollout_client.client import RolloutClient
+from rollout_client.steps import TRAINABLE_STATUSES, StepBatch, StepCounts, batch_id, digest, pull_step
+
+VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
+DEFAULT_TASK_SPLIT = "train"
+DEFAULT_EVAL_TASK_SPLIT = "test"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    url: str
+    env: str
+    api_key: str | None = None
+    task_split: str = DEFAULT_TASK_SPLIT
+    eval_task_split: str = DEFAULT_EVAL_TASK_SPLIT
+    max_turns: int | None = None
+    run_id: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ, *, adapter: str = "verl") -> ServiceConfig:
+        missing = [name for name in ("ROLLOUT_SERVICE_URL", "ROLLOUT_ENV") if not environ.get(name)]
+        if missing:
+            raise RuntimeError(
+                f"rollout_client.{adapter} needs the environment variables {', '.join(missing)}"
+            )
+        max_turns = environ.get("ROLLOUT_MAX_TURNS")
+        return cls(
+            url=environ["ROLLOUT_SERVICE_URL"],
+            env=environ["ROLLOUT_ENV"],
+            api_key=environ.get("ROLLOUT_API_KEY") or None,
+            task_split=environ.get("ROLLOUT_TASK_SPLIT") or DEFAULT_TASK_SPLIT,
+            eval_task_split=environ.get("ROLLOUT_EVAL_TASK_SPLIT") or DEFAULT_EVAL_TASK_SPLIT,
+            max_turns=int(max_turns) if max_turns else None,
+            run_id=environ.get("ROLLOUT_RUN_ID") or None,
+        )
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    """A field of an OmegaConf DictConfig (or any object with attributes), `default` if absent."""
+    getter = getattr(config, "get", None)
+    if callable(getter):
+        return getter(name, default)
+    return getattr(config, name, default)
+
+
+@dataclass(frozen=True)
+class VerlShape:
+    """What verl's config says about a step's tensors."""
+
+    prompt_length: int
+    response_length: int
+    pad_token_id: int
+
+
+@dataclass
+class VerlArrays:
+    """A step's rows as verl's agent loop makes them, as numpy arrays (torch tensors at the edge)."""
+
+    tensors: dict[str, npt.NDArray[Any]]
+    non_tensors: dict[str, npt.NDArray[Any]]
+
+
+def group_runs(keys: Sequence[Any]) -> list[tuple[int, int]]:
+    """(start, length) of each run of equal consecutive keys: verl repeats each prompt `n` times
+    interleaved, so a run is one prompt's group (validation pads with copies: runs may be shorter)."""
+    runs: list[tuple[int, int]] = []
+    for row, key in enumerate(keys):
+        if runs and keys[runs[-1][0]] == key:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((row, 1))
+    return runs
+
+
+def task_of_row(non_tensors: Mapping[str, Any], row: int) -> int:
+    extra = non_tensors.get("extra_info")
+    if extra is not None and isinstance(extra[row], Mapping) and "task_index" in extra[row]:
+        return int(extra[row]["task_index"])
+    if "index" in non_tensors:
+        return int(non_tensors["index"][row])
+    raise ValueError("a verl row needs extra_info.task_index or index (the dataset's extra_info.index)")
+
+
+def _group_rewards(episodes: Sequence[EpisodeArrays]) -> list[float]:
+    trained = [float(e.reward or 0.0) for e in episodes if e.status in TRAINABLE_STATUSES]
+    fill = float(np.mean(trained)) if trained else 0.0
+    return [float(e.reward or 0.0) if e.status in TRAINABLE_STATUSES else fill for e in episodes]
+
+
+def build_arrays(
+    rows: Sequence[EpisodeArrays], rewards: Sequence[float], shape: VerlShape, counts: StepCounts
+) -> VerlArrays:
+    """The tensors of verl's AgentLoopWorker._postprocess for these episodes, one row each."""
+    size, plen, rlen = len(rows), shape.prompt_length, shape.response_length
+    prompts = np.full((size, plen), shape.pad_token_id, dtype=np.int64)
+    responses = np.full((size, rlen), shape.pad_token_id, dtype=np.int64)
+    response_mask = np.zeros((size, rlen), dtype=np.int64)
+    logprobs = np.zeros((size, rlen), dtype=np.float32)
+    attention = np.zeros((size, plen + rlen), dtype=np.int64)
+    scores = np.zeros((size, rlen), dtype=np.float32)
+    for row, (episode, reward) in enumerate(zip(rows, rewards, strict=True)):
+        prompt = episode.prompt_ids
+        if len(prompt) > plen:
+            raise ValueError(
+                f"episode {episode.episode_id}'s prompt has {len(prompt)} tokens, more than "
+                f"actor_rollout_ref.rollout.prompt_length={plen}: raise it (verl never cuts a prompt)"
+            )
+        prompts[row, plen - len(prompt) :] = prompt
+        attention[row, plen - len(prompt) : plen] = 1
+        length = len(episode.response_ids)
+        if length > rlen:
+            counts.cut += 1
+            length = rlen
+        if length == 0:  # nothing sampled: one masked pad token, so the row has a last token
+            attention[row, plen] = 1
+            length_for_score = 1
+        else:
+            responses[row, :length] = episode.response_ids[:length]
+            attention[row, plen : plen + length] = 1
+            if episode.status in TRAINABLE_STATUSES:
+                response_mask[row, :length] = episode.loss_mask[:length]
+            logprobs[row, :length] = episode.rollout_logprobs[:length]
+            length_for_score = length
+        if episode.status not in TRAINABLE_STATUSES:
+            counts.masked += 1
+        scores[row, length_for_score - 1] = reward
+    input_ids = np.concatenate([prompts, responses], axis=1)
+    # verl's compute_position_id_with_mask: cumsum of the attention mask, from 0, clipped at 0
+    position_ids = np.clip(np.cumsum(attention, axis=1) - 1, 0, None)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "position_ids": position_ids,
+        "rollout_log_probs": logprobs,
+        "rm_scores": scores,
+    }
+
+    def objects(values: list[Any]) -> npt.NDArray[Any]:
+        array = np.empty(len(values), dtype=object)
+        array[:] = values
+        return array
+
+    non_tensors = {
+        "__num_turns__": np.array([e.num_turns or 0 for e in rows], dtype=np.int32),
+        "multi_modal_inputs": objects([{} for _ in rows]),
+        "episode_id": objects([e.episode_id for e in rows]),
+        "episode_status": objects([e.status for e in rows]),
+        "weight_versions": objects([list(e.weight_versions) for e in rows]),
+        "response_cut": np.array([len(e.response_ids) > rlen for e in rows], dtype=bool),
+    }
+    return VerlArrays(tensors, non_tensors)
+
+
+@cache
+def _pad_token_id(model_path: str) -> int:
+    from transformers import AutoTokenizer  # verl's environment has it
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad)
+
+
+def _tensor(array: npt.NDArray[Any]) -> Any:
+    import torch  # verl's environment has it
+
+    return torch.from_numpy(array)
+
+
+class RolloutServiceAgentLoopManager:
+    """verl's AgentLoopManager, with the rollout service running each step's episodes. verl's own
+    rollout replicas are not started: the service's engines serve the rollouts (`rollout_replicas`
+    is empty, so verl's checkpoint manager syncs no weights: push them to the service's engines as
+    the README says)."""
+
+    tensor = staticmethod(_tensor)  # numpy -> the trainer's tensor type
+
+    def __init__(
+        self,
+        config: Any,
+        worker_group: Any = None,
+        rollout_resource_pool: Any = None,
+        rm_resource_pool: Any = None,
+        *,
+        service: ServiceConfig | None = None,
+    ) -> None:
+        self.config = config
+        self.worker_group = worker_group
+        self.rollout_replicas: list[Any] = []
+        self.service = service or ServiceConfig.from_env()
+        rollout = config.actor_rollout_ref.rollout
+        model_path = str(config.actor_rollout_ref.model.path)
+        self.shape = VerlShape(
+            int(rollout.prompt_length), int(rollout.response_length), _pad_token_id(model_path)
+        )
+        self.run_id = self.service.run_id or "verl-" + digest([
+            _get(config.trainer, "project_name"), _get(config.trainer, "experiment_name"), model_path,
+            self.service.env, self.service.task_split,
+        ])  # fmt: skip
+
+    def sampling_params(self, validate: bool) -> dict[str, Any]:
+        """verl's AgentLoopWorker.generate_sequences' params (val_kwargs for validation); per turn at
+        most the response length, which is also the episode's token budget."""
+        rollout = self.config.actor_rollout_ref.rollout
+        source = rollout.val_kwargs if validate else rollout
+        return {
+            "temperature": source.temperature,
+            "top_p": source.top_p,
+            "top_k": source.top_k,
+            "repetition_penalty": 1.0,
+            "max_new_tokens": self.shape.response_length,
+        }
+
+    def generate_sequences(self, prompts: Any) -> Any:
+        """verl's step: the rows' groups from the service, as verl's agent loop returns them."""
+        from verl.protocol import DataProto
+
+        started = time.monotonic()
+        validate = bool(prompts.meta_info.get("validate", False))
+        step = int(prompts.meta_info.get("global_steps", -1))
+        non_tensors = prompts.non_tensor_batch
+        runs = group_runs(list(non_tensors["uid"] if "uid" in non_tensors else non_tensors["index"]))
+        tasks = [task_of_row(non_tensors, start) for start, _ in runs]
+        counts = StepCounts()
+        rows: list[EpisodeArrays | None] = [None] * len(prompts)
+        rewards = [0.0] * len(prompts)
+        with RolloutClient(self.service.url, self.service.api_key) as client:  # one pool per step
+            # One service batch per group size: verl's validation pads its batch with copies of rows.
+            for size in sorted({length for _, length in runs}):
+                chosen = [index for index, (_, length) in enumerate(runs) if length == size]
+                step_batch = self.step_batch([tasks[index] for index in chosen], size, step, validate)
+                for index, episodes in zip(chosen, pull_step(client, step_batch, counts), strict=True):
+                    start = runs[index][0]
+                    for offset, (episode, reward) in enumerate(
+                        zip(episodes, _group_rewards(episodes), strict=True)
+                    ):
+                        rows[start + offset], rewards[start + offset] = episode, reward
+        arrays = build_arrays([row for row in rows if row is not None], rewards, self.shape, counts)
+        return DataProto.from_dict(
+            tensors={name: self.tensor(array) for name, array in arrays.tensors.items()},
+            non_tensors=arrays.non_tensors,
+            meta_info={
+                "timing": {"agent_loop/rollout_service/seconds": time.monotonic() - started},
+                "rollout_service": counts.metrics(),
+                "reward_extra_keys": [],
+            },
+        )
+
+    def step_batch(self, tasks: list[int], samples: int, step: int, validate: bool) -> StepBatch:
+        """The service batch of a step's groups of one size; its id is the step's, so a restarted
+        trainer asking for the same step gets the same episodes back."""
+        return StepBatch(
+            batch_id=batch_id(
+                self.run_id, "val" if validate else "train", step, f"n{samples}", digest(tasks)
+            ),
+            env=self.service.env,
+            tasks=tasks,
+            samples=samples,
+            task_split=self.service.eval_task_split if validate else self.service.task_split,
+            sampling_params=self.sampling_params(validate),
+            max_turns=self.service.max_turns,
+            max_response_tokens=self.shape.response_length,
+            metadata={"verl_step": step, "verl_validate": validate},
+        )
+
+    # AgentLoopManager's other methods, called by RayPPOTrainer: nothing to do beside the service.
+    def clear_kv_cache(self) -> None:
+        pass
+
+    def start_profile(self, **kwargs: Any) -> None:
+        pass
+
+    def stop_profile(self) -> None:
+        pass

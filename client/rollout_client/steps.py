@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,11 +18,42 @@ from rollout_client.batch import EpisodeArrays
 from rollout_client.client import AsyncRolloutClient, RolloutClient
 from rollout_client.errors import RequestError, RolloutError
 
+DEFAULT_TASK_SPLIT = "train"
+DEFAULT_EVAL_TASK_SPLIT = "test"  # a trainer's validation or eval mode
 GROUPS_WAIT_SECONDS = 10.0  # one long-poll of GET /groups for the step's next groups
 GROUPS_PER_PAGE = 256  # groups per page of GET /groups, at most
 # Trained on: the policy's own episodes. An aborted episode (the engine refused it, or the policy's
 # output could not be parsed) and a failed or cancelled one (infrastructure, or nobody's) are not.
 TRAINABLE_STATUSES = frozenset({"completed", "truncated"})
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    url: str
+    env: str
+    api_key: str | None = None
+    task_split: str = DEFAULT_TASK_SPLIT
+    eval_task_split: str = DEFAULT_EVAL_TASK_SPLIT
+    max_turns: int | None = None
+    run_id: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ, *, adapter: str = "verl") -> ServiceConfig:
+        missing = [name for name in ("ROLLOUT_SERVICE_URL", "ROLLOUT_ENV") if not environ.get(name)]
+        if missing:
+            raise RuntimeError(
+                f"rollout_client.{adapter} needs the environment variables {', '.join(missing)}"
+            )
+        max_turns = environ.get("ROLLOUT_MAX_TURNS")
+        return cls(
+            url=environ["ROLLOUT_SERVICE_URL"],
+            env=environ["ROLLOUT_ENV"],
+            api_key=environ.get("ROLLOUT_API_KEY") or None,
+            task_split=environ.get("ROLLOUT_TASK_SPLIT") or DEFAULT_TASK_SPLIT,
+            eval_task_split=environ.get("ROLLOUT_EVAL_TASK_SPLIT") or DEFAULT_EVAL_TASK_SPLIT,
+            max_turns=int(max_turns) if max_turns else None,
+            run_id=environ.get("ROLLOUT_RUN_ID") or None,
+        )
 
 
 def batch_id(*parts: object) -> str:

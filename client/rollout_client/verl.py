@@ -30,7 +30,6 @@ verl, torch and transformers are imported when the manager is used: this module 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,40 +41,17 @@ import numpy.typing as npt
 
 from rollout_client.batch import EpisodeArrays
 from rollout_client.client import RolloutClient
-from rollout_client.steps import TRAINABLE_STATUSES, StepBatch, StepCounts, batch_id, digest, pull_step
+from rollout_client.steps import (
+    TRAINABLE_STATUSES,
+    ServiceConfig,
+    StepBatch,
+    StepCounts,
+    batch_id,
+    digest,
+    pull_step,
+)
 
 VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
-DEFAULT_TASK_SPLIT = "train"
-DEFAULT_EVAL_TASK_SPLIT = "test"
-
-
-@dataclass(frozen=True)
-class ServiceConfig:
-    url: str
-    env: str
-    api_key: str | None = None
-    task_split: str = DEFAULT_TASK_SPLIT
-    eval_task_split: str = DEFAULT_EVAL_TASK_SPLIT
-    max_turns: int | None = None
-    run_id: str | None = None
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ, *, adapter: str = "verl") -> ServiceConfig:
-        missing = [name for name in ("ROLLOUT_SERVICE_URL", "ROLLOUT_ENV") if not environ.get(name)]
-        if missing:
-            raise RuntimeError(
-                f"rollout_client.{adapter} needs the environment variables {', '.join(missing)}"
-            )
-        max_turns = environ.get("ROLLOUT_MAX_TURNS")
-        return cls(
-            url=environ["ROLLOUT_SERVICE_URL"],
-            env=environ["ROLLOUT_ENV"],
-            api_key=environ.get("ROLLOUT_API_KEY") or None,
-            task_split=environ.get("ROLLOUT_TASK_SPLIT") or DEFAULT_TASK_SPLIT,
-            eval_task_split=environ.get("ROLLOUT_EVAL_TASK_SPLIT") or DEFAULT_EVAL_TASK_SPLIT,
-            max_turns=int(max_turns) if max_turns else None,
-            run_id=environ.get("ROLLOUT_RUN_ID") or None,
-        )
 
 
 def _get(config: Any, name: str, default: Any = None) -> Any:

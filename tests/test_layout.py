@@ -131,7 +131,7 @@ def test_the_client_stands_alone() -> None:
     framework, database or tokenizer, and its package asks for httpx, pyarrow and numpy only."""
     heavy = ["service", "fastapi", "sqlalchemy", "transformers", "torch", "tau_bench", "uvicorn"]
     check = (
-        "import sys, rollout_client, rollout_client.slime, rollout_client.verl; "
+        "import sys, rollout_client, rollout_client.slime, rollout_client.verl, rollout_client.trl; "
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))"
     )
     loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)

@@ -1,0 +1,3 @@
+from trl.trainer.grpo_trainer import GRPOConfig, GRPOTrainer
+
+__all__ = ["GRPOConfig", "GRPOTrainer"]

@@ -126,12 +126,17 @@ def test_the_core_imports_nothing_of_the_service() -> None:
     assert graph.find_modules_directly_imported_by("service.records") == set()
 
 
+ADAPTERS = ["slime", "verl", "trl", "skyrl"]
+
+
 def test_the_client_stands_alone() -> None:
     """rollout_client goes into a trainer's environment: it pulls in no part of the service, no web
     framework, database or tokenizer, and its package asks for httpx, pyarrow and numpy only."""
     heavy = ["service", "fastapi", "sqlalchemy", "transformers", "torch", "tau_bench", "uvicorn"]
+    heavy += ["slime", "verl", "trl", "skyrl"]  # the trainers: imported by the adapters when used
     check = (
-        "import sys, rollout_client, rollout_client.slime, rollout_client.verl, rollout_client.trl; "
+        "import sys, rollout_client, rollout_client.slime, rollout_client.verl, rollout_client.trl, "
+        "rollout_client.skyrl; "
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))"
     )
     loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
@@ -139,6 +144,15 @@ def test_the_client_stands_alone() -> None:
     pyproject = tomllib.loads((PACKAGE_DIR.parent / "client" / "pyproject.toml").read_text())
     names = {requirement.split(">")[0].split("=")[0] for requirement in pyproject["project"]["dependencies"]}
     assert names == {"httpx", "pyarrow", "numpy"}
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_each_trainer_adapter_imports_alone(adapter: str) -> None:
+    """A trainer's environment installs the client and uses one adapter: it loads no other."""
+    check = f"import sys, rollout_client.{adapter}; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    others = {f"rollout_client.{other}" for other in ADAPTERS if other != adapter}
+    assert not others & set(loaded.stdout.split()), loaded.stdout
 
 
 # --- The README's layout -----------------------------------------------------------------------------

@@ -119,6 +119,14 @@ class StepCounts:
         return values
 
 
+def rewards_for_grpo(episodes: Sequence[EpisodeArrays]) -> list[float]:
+    """A group's rewards for a trainer that keeps every row: an episode not trained on gets the mean
+    of the group's trained rewards (0.0 if none), so it does not move the group's baseline."""
+    trained = [float(e.reward or 0.0) for e in episodes if e.status in TRAINABLE_STATUSES]
+    fill = sum(trained) / len(trained) if trained else 0.0
+    return [float(e.reward or 0.0) if e.status in TRAINABLE_STATUSES else fill for e in episodes]
+
+
 def _check_group(step: StepBatch, group: int, episodes: list[EpisodeArrays]) -> None:
     if len(episodes) != step.samples:
         raise RuntimeError(

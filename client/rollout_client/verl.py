@@ -49,6 +49,7 @@ from rollout_client.steps import (
     batch_id,
     digest,
     pull_step,
+    rewards_for_grpo,
 )
 
 VERL_COMMIT = "b178a3cd56f58b2d502255daba591e92833930a7"
@@ -98,12 +99,6 @@ def task_of_row(non_tensors: Mapping[str, Any], row: int) -> int:
     if "index" in non_tensors:
         return int(non_tensors["index"][row])
     raise ValueError("a verl row needs extra_info.task_index or index (the dataset's extra_info.index)")
-
-
-def _group_rewards(episodes: Sequence[EpisodeArrays]) -> list[float]:
-    trained = [float(e.reward or 0.0) for e in episodes if e.status in TRAINABLE_STATUSES]
-    fill = float(np.mean(trained)) if trained else 0.0
-    return [float(e.reward or 0.0) if e.status in TRAINABLE_STATUSES else fill for e in episodes]
 
 
 def build_arrays(
@@ -253,7 +248,7 @@ class RolloutServiceAgentLoopManager:
                 for index, episodes in zip(chosen, pull_step(client, step_batch, counts), strict=True):
                     start = runs[index][0]
                     for offset, (episode, reward) in enumerate(
-                        zip(episodes, _group_rewards(episodes), strict=True)
+                        zip(episodes, rewards_for_grpo(episodes), strict=True)
                     ):
                         rows[start + offset], rewards[start + offset] = episode, reward
         arrays = build_arrays([row for row in rows if row is not None], rewards, self.shape, counts)

@@ -179,3 +179,15 @@ def test_agents_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["outcomes"] == {"ok": 4} and result["stored"] == {"completed, 2 calls": 4}
     assert result["complete"] and result["segments_of_first"] == 1
     assert_positive(result, "calls_per_s", "service_cpu_ms_per_call", "bare_client_cpu_ms_per_call")
+
+
+def test_trainer_adapters_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("trainer_adapters")
+    returned = bench.main(
+        ["--groups", "2", "--samples", "2", "--steps", "1", "--repeats", "1", "--latency", "0.01"]
+    )
+    result = last_json_line(capsys.readouterr().out)
+    assert result == json.loads(json.dumps(returned))
+    for way in ("bare_client", "slime", "verl", "trl", "skyrl"):
+        assert_positive(result[way], "cold_seconds", "warm_seconds")
+    assert "max_overhead_of_step" in result and result["verl_vs_slime_cold"] > 0

@@ -1,10 +1,9 @@
-"""SkyRL's generator, backed by the rollout service: one override plugs it in.
+"""SkyRL's generator, backed by the rollout service: one flag plugs it in.
 
-    class ShopExp(BasePPOExp):
-        def get_generator(self, cfg, tokenizer, inference_engine_client):
-            return rollout_client.skyrl.RolloutServiceGenerator(cfg, tokenizer)
+    python -m skyrl.train.entrypoints.main_base trainer.override_entrypoint=rollout_client.skyrl ...
 
-(`rollout_client.skyrl.experiment_class()` is that subclass.) Follows SkyRL at commit
+SkyRL's main_base hands its command line to this module's main(), which runs SkyRL's experiment
+with `get_generator` returning RolloutServiceGenerator (experiment_class()). Follows SkyRL at commit
 a9564572eb8e91076be43c1bd5e4615e3de17265 (2026-08-21): the trainer (skyrl/train/trainer.py) builds
 a GeneratorInput with prepare_generator_input (each dataset row `n_samples_per_prompt` times,
 consecutively, with TrajectoryID(instance_id=uid, repetition_id), vLLM-style sampling params and
@@ -27,11 +26,12 @@ group's GRPO baseline); stop_reason is its status. A response longer than
 in rollout_metrics (`rollout_service/...`). If SkyRL cancels `generate`, the service batch is
 cancelled.
 
-SkyRL is imported only by experiment_class(): this module imports without it.
+SkyRL is imported only by experiment_class() and main(): this module imports without it.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -244,3 +244,27 @@ def experiment_class() -> type:
             return RolloutServiceGenerator(cfg, tokenizer)
 
     return RolloutServiceExp
+
+
+OVERRIDE_FLAG = "trainer.override_entrypoint="
+
+
+def _run_experiment(cfg: Any) -> None:
+    experiment_class()(cfg).run()
+
+
+def main() -> None:
+    """SkyRL's main_base.main, with the service's generator: called by main_base itself for
+    `trainer.override_entrypoint=rollout_client.skyrl` (that flag is main_base's, not a config field)."""
+    import ray
+    from skyrl.train.config import SkyRLTrainConfig
+    from skyrl.train.utils import validate_cfg
+    from skyrl.train.utils.utils import initialize_ray
+
+    cfg = SkyRLTrainConfig.from_cli_overrides(
+        [arg for arg in sys.argv[1:] if not arg.startswith(OVERRIDE_FLAG)]
+    )
+    validate_cfg(cfg)
+    initialize_ray(cfg)
+    # As main_base's skyrl_entrypoint: the training loop runs in a Ray task, not on the head node.
+    ray.get(ray.remote(num_cpus=1)(_run_experiment).remote(cfg))

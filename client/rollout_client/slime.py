@@ -18,17 +18,17 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
-import re
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-from rollout_client import AsyncRolloutClient, EpisodeArrays, RequestError, RolloutClient, RolloutError
+from rollout_client import AsyncRolloutClient, EpisodeArrays, RolloutClient
+from rollout_client.steps import ServiceConfig, cancel_once_submitted
+from rollout_client.steps import batch_id as make_batch_id
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,6 @@ GROUPS_WAIT_SECONDS = 10.0  # generate_rollout: one long-poll of GET /groups for
 GROUPS_PER_PAGE = 256  # generate_rollout: groups per page of GET /groups, at most
 MAX_PENDING_BATCHES = 256  # GET /groups' batch_id filter takes this many
 EPISODE_WAIT_SECONDS = 30.0  # generate: one long-poll of the episode
-DEFAULT_TASK_SPLIT = "train"
-DEFAULT_EVAL_TASK_SPLIT = "test"
 # Service status -> slime's Sample.Status name. A cancelled episode is an abort, as slime's own
 # abort at the end of a step leaves its samples.
 # Sampling param -> the field of slime's EvalDatasetConfig that sets it for an eval dataset.
@@ -56,31 +54,7 @@ STATUS_NAMES = {
 }
 
 
-@dataclass(frozen=True)
-class HookConfig:
-    url: str
-    env: str
-    api_key: str | None = None
-    task_split: str = DEFAULT_TASK_SPLIT
-    eval_task_split: str = DEFAULT_EVAL_TASK_SPLIT
-    max_turns: int | None = None
-    run_id: str | None = None
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> HookConfig:
-        missing = [name for name in ("ROLLOUT_SERVICE_URL", "ROLLOUT_ENV") if not environ.get(name)]
-        if missing:
-            raise RuntimeError(f"rollout_client.slime needs the environment variables {', '.join(missing)}")
-        max_turns = environ.get("ROLLOUT_MAX_TURNS")
-        return cls(
-            url=environ["ROLLOUT_SERVICE_URL"],
-            env=environ["ROLLOUT_ENV"],
-            api_key=environ.get("ROLLOUT_API_KEY") or None,
-            task_split=environ.get("ROLLOUT_TASK_SPLIT") or DEFAULT_TASK_SPLIT,
-            eval_task_split=environ.get("ROLLOUT_EVAL_TASK_SPLIT") or DEFAULT_EVAL_TASK_SPLIT,
-            max_turns=int(max_turns) if max_turns else None,
-            run_id=environ.get("ROLLOUT_RUN_ID") or None,
-        )
+HookConfig = ServiceConfig  # the environment settings every adapter reads (rollout_client.steps)
 
 
 # ---- what slime's arguments mean to the service ----
@@ -121,11 +95,6 @@ def run_id_of(args: Any, config: HookConfig) -> str:
     identity += [config.env, config.task_split]
     digest = hashlib.sha256(json.dumps(identity, default=str).encode()).hexdigest()[:12]
     return f"slime-{digest}"
-
-
-def _batch_id(*parts: object) -> str:
-    """A batch id from its parts, within the service's alphabet ([A-Za-z0-9._:-], 128 characters)."""
-    return re.sub(r"[^A-Za-z0-9._:-]", "_", "-".join(str(part) for part in parts))[:128]
 
 
 @cache
@@ -191,9 +160,9 @@ def _async_client(loop: asyncio.AbstractEventLoop, url: str, api_key: str | None
 async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> Any:
     """Runs the sample's task as one episode of the service and returns the sample filled. If slime
     cancels this coroutine, the episode is cancelled in the service too."""
-    config = HookConfig.from_env()
+    config = ServiceConfig.from_env(adapter="slime")
     client = _async_client(asyncio.get_running_loop(), config.url, config.api_key)
-    batch_id = _batch_id(run_id_of(args, config), "sample", sample.index, uuid.uuid4().hex[:12])
+    batch_id = make_batch_id(run_id_of(args, config), "sample", sample.index, uuid.uuid4().hex[:12])
     submitting = asyncio.ensure_future(
         client.submit(
             config.env,
@@ -210,26 +179,9 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
         await client.wait(batch_id, poll=EPISODE_WAIT_SECONDS)
         episode = (await client.batch(batch_id))[0]
     except asyncio.CancelledError:
-        await asyncio.shield(_cancel_once_submitted(client, submitting, batch_id))
+        await asyncio.shield(cancel_once_submitted(client, submitting, batch_id))
         raise
     return fill_sample(args, sample, episode)
-
-
-async def _cancel_once_submitted(
-    client: AsyncRolloutClient, submitting: asyncio.Future[Any], batch_id: str
-) -> None:
-    """Cancels the batch after its POST has ended. slime may cancel `generate` while the POST is in
-    flight: the service may already have accepted the batch and started its episode, and a cancel
-    sent before the POST lands would find no batch while the episode runs on."""
-    try:
-        await submitting
-    except RolloutError:  # refused, or no answer: whether the batch exists, the cancel finds out
-        pass
-    try:
-        await client.cancel(batch_id)
-    except RequestError as error:
-        if error.status_code != 404:  # 404: the service never took the batch, nothing to stop
-            raise
 
 
 # ---- --rollout-function-path ----
@@ -238,7 +190,7 @@ async def _cancel_once_submitted(
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
     """slime's rollout function: a step's groups from the service (train), or the eval datasets'
     rewards (evaluation=True)."""
-    config = HookConfig.from_env()
+    config = ServiceConfig.from_env(adapter="slime")
     with RolloutClient(config.url, config.api_key) as client:
         if evaluation:
             return _evaluate(args, rollout_id, client, config)
@@ -277,7 +229,7 @@ def _train(args: Any, rollout_id: int, data_source: Any, client: RolloutClient, 
     while len(data) < target:
         while remaining < target:
             groups = data_source.get_samples(args.over_sampling_batch_size)
-            batch_id = _batch_id(run_id, "rollout", rollout_id, len(submitted))
+            batch_id = make_batch_id(run_id, "rollout", rollout_id, len(submitted))
             client.submit(
                 config.env,
                 [task_index_of(group[0]) for group in groups],
@@ -349,7 +301,7 @@ def _evaluate(args: Any, rollout_id: int, client: RolloutClient, config: HookCon
     for dataset in getattr(args, "eval_datasets", None) or []:
         tasks = _task_indices(Path(dataset.path), dataset.input_key or "index")
         samples_per_task = dataset.n_samples_per_eval_prompt
-        batch_id = _batch_id(run_id, "eval", rollout_id, dataset.name)
+        batch_id = make_batch_id(run_id, "eval", rollout_id, dataset.name)
         client.submit(
             config.env,
             tasks,

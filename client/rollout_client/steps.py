@@ -29,6 +29,9 @@ TRAINABLE_STATUSES = frozenset({"completed", "truncated"})
 
 @dataclass(frozen=True)
 class ServiceConfig:
+    """Where the service is and what to run, from ROLLOUT_* environment variables (the trainers
+    start the adapters in their own processes: the environment is what reaches them)."""
+
     url: str
     env: str
     api_key: str | None = None
@@ -38,7 +41,7 @@ class ServiceConfig:
     run_id: str | None = None
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ, *, adapter: str = "verl") -> ServiceConfig:
+    def from_env(cls, environ: Mapping[str, str] = os.environ, *, adapter: str) -> ServiceConfig:
         missing = [name for name in ("ROLLOUT_SERVICE_URL", "ROLLOUT_ENV") if not environ.get(name)]
         if missing:
             raise RuntimeError(
@@ -184,7 +187,7 @@ async def pull_step_async(
                 groups[group] = episodes
             cursor = page.next
     except asyncio.CancelledError:
-        await asyncio.shield(_cancel_once_submitted(client, submitting, step.batch_id))
+        await asyncio.shield(cancel_once_submitted(client, submitting, step.batch_id))
         raise
     ordered = [groups[group] for group in range(len(step.tasks))]
     for episodes in ordered:
@@ -192,7 +195,7 @@ async def pull_step_async(
     return ordered
 
 
-async def _cancel_once_submitted(
+async def cancel_once_submitted(
     client: AsyncRolloutClient, submitting: asyncio.Future[Any], batch_id: str
 ) -> None:
     """A cancel sent before the POST landed would find no batch while its episodes run on."""

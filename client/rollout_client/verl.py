@@ -98,6 +98,8 @@ def task_of_row(non_tensors: Mapping[str, Any], row: int) -> int:
         return int(extra[row]["task_index"])
     if "index" in non_tensors:
         return int(non_tensors["index"][row])
+    if extra is not None and isinstance(extra[row], Mapping) and "index" in extra[row]:
+        return int(extra[row]["index"])
     raise ValueError("a verl row needs extra_info.task_index or index (the dataset's extra_info.index)")
 
 
@@ -203,7 +205,7 @@ class RolloutServiceAgentLoopManager:
         self.config = config
         self.worker_group = worker_group
         self.rollout_replicas: list[Any] = []
-        self.service = service or ServiceConfig.from_env()
+        self.service = service or ServiceConfig.from_env(adapter="verl")
         rollout = config.actor_rollout_ref.rollout
         model_path = str(config.actor_rollout_ref.model.path)
         self.shape = VerlShape(
@@ -251,6 +253,8 @@ class RolloutServiceAgentLoopManager:
                         zip(episodes, rewards_for_grpo(episodes), strict=True)
                     ):
                         rows[start + offset], rewards[start + offset] = episode, reward
+        if any(row is None for row in rows):
+            raise RuntimeError("a verl row got no episode")
         arrays = build_arrays([row for row in rows if row is not None], rewards, self.shape, counts)
         return DataProto.from_dict(
             tensors={name: self.tensor(array) for name, array in arrays.tensors.items()},

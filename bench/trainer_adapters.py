@@ -1,0 +1,253 @@
+"""The trainer adapters' overhead (rollout_client.verl, .trl, .skyrl, and slime's generate_rollout)
+against pulling the same groups with the bare client, for a step of `--groups` x `--samples`.
+
+The service runs in this process against the simulated SGLang worker (its own thread); the
+trainers are the stand-ins under tests/ (verl's DataProto, TRL's trainer fields, SkyRL's
+prepare_generator_input, slime's data source). Each way runs the same step shape, in turn:
+
+- `bare_client` (the baseline): RolloutClient.submit, then GET /groups until every group came,
+  the episodes decoded (EpisodeArrays) and nothing more;
+- `slime`, `verl`, `trl`, `skyrl`: the adapter's step, returning the trainer's own types.
+
+Two figures per way. `cold`: a fresh step (its episodes run in the service), seconds, median over
+`--steps`. `warm`: the same step asked again (its batch id is the step's, so the complete batch is
+pulled again and converted), seconds, median over `--repeats`: the adapter's own cost on top of
+the pull. `overhead_of_step` = (warm - bare warm) / bare cold step: what the adapter adds to a
+step's wall time (the goal: <= 0.05). `verl_vs_slime_cold` and `_warm` compare verl's step with
+slime's generate_rollout on the same shape (warm: the same complete batch, pulled and converted).
+
+Run from the repo root:
+    .venv/bin/python bench/trainer_adapters.py [--groups 64] [--samples 8] [--steps 3] [--database sqlite]
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+for standin in ("slime_standin", "verl_standin", "trl_standin", "skyrl_standin"):
+    sys.path.insert(0, str(REPO / "tests" / standin))
+
+import numpy as np  # noqa: E402
+from rollout_client import RolloutClient  # noqa: E402
+from rollout_client import skyrl as skyrl_adapter  # noqa: E402
+from rollout_client import slime as slime_hooks  # noqa: E402
+from rollout_client import trl as trl_adapter  # noqa: E402
+from rollout_client import verl as verl_adapter  # noqa: E402
+from rollout_client.steps import GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS  # noqa: E402
+from skyrl.train.generators.utils import prepare_generator_input  # noqa: E402
+from slime.rollout.data_source import RolloutDataSource  # noqa: E402
+from slime.utils.types import Sample  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from verl.protocol import DataProto  # noqa: E402
+
+from bench.common import fresh_database, run_loop  # noqa: E402
+from service.app import create_app  # noqa: E402
+from service.config import TEST_TOKENIZER_DIR, Settings  # noqa: E402
+from service.serving import serve_app  # noqa: E402
+from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread  # noqa: E402
+
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8192}
+GOAL = "an adapter adds <= 5% to a step's wall time over pulling the same groups with the bare client"
+MAX_TURNS = 30
+PROMPT_LENGTH = 4096  # verl's prompt_length; TRL's and SkyRL's caps are set as high: no cut here
+RESPONSE_LENGTH = 8192
+
+
+class Attr(dict[str, Any]):
+    """OmegaConf's DictConfig as verl reads it: attribute access and .get."""
+
+    def __getattr__(self, name: str) -> Any:
+        return self[name]
+
+
+def verl_config(samples: int) -> Attr:
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    return Attr(
+        trainer=Attr(project_name="bench", experiment_name="verl"),
+        actor_rollout_ref=Attr(
+            model=Attr(path=str(TEST_TOKENIZER_DIR)),
+            rollout=Attr(
+                n=samples, prompt_length=PROMPT_LENGTH, response_length=RESPONSE_LENGTH, **sampling,
+                val_kwargs=Attr(sampling), agent=Attr(agent_loop_manager_class="bench"),
+            ),
+        ),
+    )  # fmt: skip
+
+
+class NumpyManager(verl_adapter.RolloutServiceAgentLoopManager):
+    tensor = staticmethod(np.asarray)  # the stand-in's DataProto holds numpy for torch
+
+
+def step_tasks(step: int, groups: int) -> list[int]:
+    return [(step * groups + group) % 200 for group in range(groups)]  # builtin/shop's train split
+
+
+def bare_client(url: str, step: int, groups: int, samples: int) -> int:
+    with RolloutClient(url) as client:
+        batch_id = f"bench-bare-{step}"
+        client.submit(
+            "builtin/shop", step_tasks(step, groups), samples_per_task=samples, task_split="train",
+            sampling_params=SAMPLING, max_turns=MAX_TURNS, batch_id=batch_id,
+        )  # fmt: skip
+        taken: dict[int, list[Any]] = {}
+        cursor = 0
+        while len(taken) < groups:
+            page = client.groups(cursor, GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS, batch_id=batch_id)
+            for (_, group), episodes in page.groups().items():
+                taken[group] = episodes
+            cursor = page.next
+    return sum(len(episodes) for episodes in taken.values())
+
+
+def slime_step(step: int, groups: int, samples: int) -> int:
+    args = SimpleNamespace(
+        rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1,
+        rollout_max_response_len=RESPONSE_LENGTH, rollout_stop=None, rollout_stop_token_ids=None,
+        rollout_skip_special_tokens=False,
+        rollout_batch_size=groups, n_samples_per_prompt=samples, over_sampling_batch_size=groups,
+        dynamic_sampling_filter_path=None, reward_key=None, hf_checkpoint=None, save="/bench", rollout_seed=1,
+    )  # fmt: skip
+    source = RolloutDataSource(args, [Sample(prompt=str(task)) for task in step_tasks(step, groups)])
+    output = slime_hooks.generate_rollout(args, step, source)
+    return sum(len(group) for group in output.samples)
+
+
+def verl_step(manager: NumpyManager, step: int, groups: int, samples: int) -> int:
+    tasks = step_tasks(step, groups)
+    extra = np.empty(groups * samples, dtype=object)
+    extra[:] = [{"index": task} for task in tasks for _ in range(samples)]
+    uid = np.array([f"u{step}-{group}" for group in range(groups) for _ in range(samples)], dtype=object)
+    prompts = DataProto.from_single_dict({"extra_info": extra, "uid": uid}, meta_info={"global_steps": step})
+    return len(manager.generate_sequences(prompts))
+
+
+def trl_step(
+    rollout: trl_adapter.ServiceRollout, tokenizer: Any, step: int, groups: int, samples: int
+) -> int:
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), num_generations=samples, num_generations_eval=samples,
+        state=SimpleNamespace(global_step=step), accelerator=SimpleNamespace(process_index=0),
+        args=SimpleNamespace(output_dir="/bench"), max_completion_length=RESPONSE_LENGTH,
+        temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, processing_class=tokenizer,
+    )  # fmt: skip
+    prompts = [str(task) for task in step_tasks(step, groups) for _ in range(samples)]
+    rollout._calls.clear()  # a restarted trainer: its first call of the step again
+    return len(rollout(prompts, trainer)["completion_ids"])
+
+
+def skyrl_step(generator: skyrl_adapter.RolloutServiceGenerator, step: int, groups: int, samples: int) -> int:
+    rows = [
+        {"prompt": [{"role": "user", "content": str(task)}], "env_class": None,
+         "env_extras": {"task_index": task}, "uid": f"u{step}-{group}"}
+        for group, task in enumerate(step_tasks(step, groups))
+    ]  # fmt: skip
+    sampling = {"max_tokens": RESPONSE_LENGTH, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    generator_input, _ = prepare_generator_input(rows, samples, sampling, "shop", "train", step)
+    generator._calls.clear()  # a restarted trainer: its first call of the step again
+    return len(asyncio.run(generator.generate(generator_input))["response_ids"])
+
+
+async def run(database_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    # No rambling turns: every way has the same caps, and none cuts a response.
+    sim = SimWorker(SimConfig(latency_seconds=args.latency, ramble_rate=0.0))
+    tokenizer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+    with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+        settings = Settings(database_url=database_url, sglang_url=sim_url, api_keys="", log_level="WARNING")  # type: ignore[call-arg]
+        async with serve_app(create_app(settings)) as url:
+            os.environ.update(
+                ROLLOUT_SERVICE_URL=url, ROLLOUT_ENV="builtin/shop", ROLLOUT_TASK_SPLIT="train",
+                ROLLOUT_MAX_TURNS=str(MAX_TURNS), ROLLOUT_RUN_ID="bench",
+            )  # fmt: skip
+            service = verl_adapter.ServiceConfig.from_env(adapter="bench")
+            manager = NumpyManager(verl_config(args.samples), service=service)
+            rollout = trl_adapter.ServiceRollout(service)
+            skyrl_cfg = SimpleNamespace(
+                generator=SimpleNamespace(max_input_length=PROMPT_LENGTH + RESPONSE_LENGTH)
+            )
+            generator = skyrl_adapter.RolloutServiceGenerator(skyrl_cfg, tokenizer, service=service)
+            g, n = args.groups, args.samples
+            ways: dict[str, Callable[[int], int]] = {
+                "bare_client": lambda step: bare_client(url, step, g, n),
+                "slime": lambda step: slime_step(step, g, n),
+                "verl": lambda step: verl_step(manager, step, g, n),
+                "trl": lambda step: trl_step(rollout, tokenizer, step, g, n),
+                "skyrl": lambda step: skyrl_step(generator, step, g, n),
+            }
+            cold: dict[str, list[float]] = {way: [] for way in ways}
+            warm: dict[str, list[float]] = {way: [] for way in ways}
+            names = list(ways)
+            await asyncio.to_thread(bare_client, url, -1, g, n)  # warm-up: first requests, caches
+            for step in range(args.steps):
+                order = names[step % len(names) :] + names[: step % len(names)]  # no way always first
+                for way in order:
+                    # Each way's steps are its own (slime, verl, ... name their batches by the way's
+                    # step number): offset so that no two ways share a batch.
+                    way_step = 1000 * (names.index(way) + 1) + step
+                    started = time.monotonic()
+                    rows = await asyncio.to_thread(ways[way], way_step)
+                    cold[way].append(time.monotonic() - started)
+                    assert rows == g * n, (way, rows)
+            for _ in range(args.repeats):
+                for way in names:
+                    started = time.monotonic()
+                    await asyncio.to_thread(ways[way], 1000 * (names.index(way) + 1))
+                    warm[way].append(time.monotonic() - started)
+    result: dict[str, Any] = {}
+    bare_cold, bare_warm = statistics.median(cold["bare_client"]), statistics.median(warm["bare_client"])
+    for way in names:
+        result[way] = {
+            "cold_seconds": round(statistics.median(cold[way]), 3),
+            "cold_steps": [round(s, 3) for s in cold[way]],
+            "warm_seconds": round(statistics.median(warm[way]), 4),
+            "overhead_of_step": round((statistics.median(warm[way]) - bare_warm) / bare_cold, 4),
+        }
+    result["verl_vs_slime_cold"] = round(result["verl"]["cold_seconds"] / result["slime"]["cold_seconds"], 3)
+    result["verl_vs_slime_warm"] = round(result["verl"]["warm_seconds"] / result["slime"]["warm_seconds"], 3)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="cold steps per way")
+    parser.add_argument("--repeats", type=int, default=5, help="warm pulls per way")
+    parser.add_argument("--latency", type=float, default=0.05, help="the simulated engine's seconds per call")
+    parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp, fresh_database(args.database, Path(tmp), migrate=True) as url:
+        runs = run_loop(run(url, args))
+    for way in ("bare_client", "slime", "verl", "trl", "skyrl"):
+        print(way, json.dumps(runs[way]), flush=True)
+    adapters = ("slime", "verl", "trl", "skyrl")
+    result = {
+        "bench": "trainer_adapters",
+        "database": args.database,
+        "groups": args.groups,
+        "samples": args.samples,
+        **runs,
+        "max_overhead_of_step": max(runs[way]["overhead_of_step"] for way in adapters),
+        "goal": GOAL,
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

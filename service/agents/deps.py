@@ -1,0 +1,67 @@
+"""The HTTP edge of external agents' endpoints: the episode a request opens (its agent's token
+checked), and the one table of the domain's errors as HTTP errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated
+
+from fastapi import Depends, Header
+
+from service.agents.errors import AgentError, EngineRefused, EngineUnavailable, EpisodeClosed, UnknownEpisode
+from service.agents.repository import AgentEpisode
+from service.agents.service import AgentSessions
+from service.api.auth import authorized
+from service.api.deps import ServicesDep
+from service.api.episodes import EpisodeId
+from service.api.errors import Conflict, InvalidRequest, NotFound, ServiceError, Unauthorized
+
+
+class EngineFailed(ServiceError):
+    status_code = 502
+    description = "The engine did not answer the call"
+
+
+HTTP_ERRORS: dict[type[AgentError], type[ServiceError]] = {
+    UnknownEpisode: NotFound,
+    EpisodeClosed: Conflict,
+    EngineRefused: InvalidRequest,
+    EngineUnavailable: EngineFailed,
+}
+
+
+@contextmanager
+def http_errors() -> Iterator[None]:
+    """The domain's errors raised inside, as the service's HTTP errors."""
+    try:
+        yield
+    except AgentError as error:
+        raise HTTP_ERRORS[type(error)](str(error)) from None
+
+
+async def get_agents(services: ServicesDep) -> AgentSessions:
+    return services.agents
+
+
+AgentsDep = Annotated[AgentSessions, Depends(get_agents)]
+
+
+async def waiting_episode(
+    services: ServicesDep, episode_id: EpisodeId, authorization: Annotated[str, Header()] = ""
+) -> AgentEpisode:
+    """The episode, if the bearer token is its own (or an API key) and it waits for its agent.
+    Needs no tokenizer: an API-only process answers a 401 without loading one."""
+    with http_errors():
+        episode = await services.agents.episode(episode_id)
+    assert episode.agent_token is not None  # UnknownEpisode otherwise
+    keys = [episode.agent_token.encode(), *(key.encode() for key in services.settings.api_key_list)]
+    # Starlette decodes headers as latin-1: encoding it back gives the bytes as sent.
+    if not authorized(authorization.encode("latin-1", "replace"), keys):
+        raise Unauthorized("missing or invalid token: send 'Authorization: Bearer <the episode's api_key>'")
+    with http_errors():
+        services.agents.check_waiting(episode)
+    return episode
+
+
+WaitingEpisode = Annotated[AgentEpisode, Depends(waiting_episode)]

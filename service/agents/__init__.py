@@ -17,7 +17,7 @@ nothing above loop, engine and storage, and storage imports nothing of this pack
 
 Another protocol (Anthropic Messages, OpenAI Responses) is one module beside chat_completions.py:
 its request model turned into a `ChatCall` (messages in the chat-template shape the conversation
-records), its route (`WaitingEpisode`, `AgentsDep`, `agents.complete` inside `http_errors()`), and
+records), its route (`WaitingEpisode`, then `services.agents.complete` inside `with http_errors`), and
 its response built from the `Answer`'s fields; then one `router.include_router(...)` line in
 routes.py. Sessions, segments, storage and the token accounting are shared, so an agent may even
 switch protocols mid-episode.

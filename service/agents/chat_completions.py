@@ -15,7 +15,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.agents.conversation import Answer, ChatCall
-from service.agents.deps import AgentsDep, EngineFailed, WaitingEpisode, http_errors
+from service.agents.deps import EngineFailed, WaitingEpisode, http_errors
+from service.api.deps import ServicesDep
 from service.api.errors import Conflict, DatabaseUnavailable, InvalidRequest, NotFound, responses
 
 router = APIRouter()  # tagged by routes.py
@@ -140,14 +141,14 @@ def completion_chunks(answer: Answer, model: str, include_usage: bool) -> list[d
     },
 )
 async def chat_completions(
-    body: ChatCompletionRequest, agents: AgentsDep, episode: WaitingEpisode
+    body: ChatCompletionRequest, services: ServicesDep, episode: WaitingEpisode
 ) -> Response:
     """The OpenAI chat completions API for one episode's agent: its messages become token ids,
     SGLang samples, and the call is recorded exactly (sampled ids mask 1 with their logprobs,
     everything else mask 0) before the answer goes out."""
     call = body.call()
-    with http_errors():
-        answer = await agents.complete(episode, call)
+    with http_errors:
+        answer = await services.agents.complete(episode, call)
     if not body.stream:
         return Response(orjson.dumps(completion_body(answer, body.model)), media_type="application/json")
     include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -3,15 +3,13 @@ checked), and the one table of the domain's errors as HTTP errors."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 from typing import Annotated
 
 from fastapi import Depends, Header
 
 from service.agents.errors import AgentError, EngineRefused, EngineUnavailable, EpisodeClosed, UnknownEpisode
 from service.agents.repository import AgentEpisode
-from service.agents.service import AgentSessions
 from service.api.auth import authorized
 from service.api.deps import ServicesDep
 from service.api.episodes import EpisodeId
@@ -31,20 +29,20 @@ HTTP_ERRORS: dict[type[AgentError], type[ServiceError]] = {
 }
 
 
-@contextmanager
-def http_errors() -> Iterator[None]:
-    """The domain's errors raised inside, as the service's HTTP errors."""
-    try:
-        yield
-    except AgentError as error:
-        raise HTTP_ERRORS[type(error)](str(error)) from None
+class _HttpErrors:
+    """`with http_errors:` the domain's errors raised inside, as the service's HTTP errors."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if isinstance(error, AgentError):
+            raise HTTP_ERRORS[type(error)](str(error)) from None
 
 
-async def get_agents(services: ServicesDep) -> AgentSessions:
-    return services.agents
-
-
-AgentsDep = Annotated[AgentSessions, Depends(get_agents)]
+http_errors = _HttpErrors()
 
 
 async def waiting_episode(
@@ -52,14 +50,14 @@ async def waiting_episode(
 ) -> AgentEpisode:
     """The episode, if the bearer token is its own (or an API key) and it waits for its agent.
     Needs no tokenizer: an API-only process answers a 401 without loading one."""
-    with http_errors():
+    with http_errors:
         episode = await services.agents.episode(episode_id)
     assert episode.agent_token is not None  # UnknownEpisode otherwise
     keys = [episode.agent_token.encode(), *(key.encode() for key in services.settings.api_key_list)]
     # Starlette decodes headers as latin-1: encoding it back gives the bytes as sent.
     if not authorized(authorization.encode("latin-1", "replace"), keys):
         raise Unauthorized("missing or invalid token: send 'Authorization: Bearer <the episode's api_key>'")
-    with http_errors():
+    with http_errors:
         services.agents.check_waiting(episode)
     return episode
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service.agents import chat_completions
-from service.agents.deps import AgentsDep, WaitingEpisode, http_errors
+from service.agents.deps import WaitingEpisode, http_errors
 from service.agents.schemas import FinishedOut, FinishEpisode
 from service.api.deps import ServicesDep
 from service.api.errors import Conflict, DatabaseUnavailable, NotFound, responses
@@ -21,13 +21,11 @@ router.include_router(chat_completions.router)  # a protocol: one module, one li
     response_model=FinishedOut,
     responses=responses(NotFound, Conflict, DatabaseUnavailable),
 )
-async def finish(
-    body: FinishEpisode, agents: AgentsDep, services: ServicesDep, episode: WaitingEpisode
-) -> FinishedOut:
+async def finish(body: FinishEpisode, services: ServicesDep, episode: WaitingEpisode) -> FinishedOut:
     """Ends the episode with the agent's reward, info and status; its group may be complete now."""
     status = EpisodeStatus(body.status)
-    with http_errors():
-        ended = await agents.finish(episode.episode_id, status, body.reward, body.info, body.error)
+    with http_errors:
+        ended = await services.agents.finish(episode.episode_id, status, body.reward, body.info, body.error)
     services.metrics.agent_finished(status)
     services.group_log.touch([ended])
     services.results.notify()

@@ -11,8 +11,10 @@ from typing import cast
 
 from fastapi import Depends, FastAPI
 
-from service.agents.chat import AgentChat
-from service.api import agents, batches, engine, envs, episodes, groups, health
+from service.agents import routes as agents
+from service.agents.service import AgentSessions
+from service.agents.session import AgentTurns
+from service.api import batches, engine, envs, episodes, groups, health
 from service.api.contract import install_contract
 from service.api.deps import refuse_unknown_query_parameters
 from service.api.errors import install_error_handlers
@@ -169,13 +171,13 @@ async def lifespan(
 
         shared_tokenizer = Lazy(load_once)
 
-        async def agent_chat() -> AgentChat:
+        async def agent_turns() -> AgentTurns:
             agents_chat = chat
             if agents_chat is None:
                 agents_chat = await asyncio.to_thread(
                     load_chat_tokenizer, settings, await shared_tokenizer.get()
                 )
-            return AgentChat(
+            return AgentTurns(
                 engine, agents_chat, get_parser(call_format), max_turn_resumes=settings.max_turn_resumes
             )
 
@@ -192,7 +194,9 @@ async def lifespan(
             group_log=group_log,
             tool_call_format=call_format,
             token_texts=TokenTexts(shared_tokenizer.get),
-            agent_chat=Lazy(agent_chat),
+            agents=AgentSessions(
+                database, Lazy(agent_turns).get, idle_seconds=settings.external_idle_seconds
+            ),
         )
         if worker is not None:
             worker.start()

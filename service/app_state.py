@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from service.agents.chat import AgentChat
+from service.agents.service import AgentSessions
 from service.api.batch_json import GroupSummaries
 from service.config import Settings
 from service.engine.client import SGLangClient
@@ -177,6 +177,6 @@ class Services:
     group_log: GroupLog  # logs complete groups in the stream of GET /groups
     tool_call_format: str  # TOOL_CALL_FORMAT, `auto` resolved
     token_texts: TokenTexts  # token ids as text, for people (the viewer)
-    agent_chat: Lazy[AgentChat]  # external agents' calls, in any process
+    agents: AgentSessions  # external agents' episodes; their tokenizer is loaded on first call
     summaries: GroupSummaries = field(default_factory=GroupSummaries)
     summary_reads: SharedReads[str, bytes | None] = field(default_factory=SharedReads)

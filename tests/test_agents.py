@@ -22,7 +22,7 @@ from service.agents.service import HeldEpisodes
 from service.app import create_app
 from service.serving import serve_app
 from service.sim.worker import SimConfig, SimRequest, SimWorker, create_sim_app, serve_in_thread
-from service.storage.agents import TOKEN_BLOBS
+from service.storage.blobs import TOKEN_BLOBS
 from tests.conftest import service_settings
 from tests.support.contract import GenerateCall, assert_tokens_match_calls, generate_call, sim_calls
 from tests.support.tokenizer import load_test_tokenizer

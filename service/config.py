@@ -6,7 +6,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.envs.executors import THREADS_PER_WORKER, ExecutorKind
@@ -115,11 +115,14 @@ class Settings(BaseSettings):
     claim_interval_seconds: float = Field(
         default=0.2, gt=0, description="Idle poll interval of the claim loop when the queue was empty."
     )
-    max_attempts: int = Field(
+    # It bounds failed attempts, not attempts: MAX_ATTEMPTS, its name in the environment, stays.
+    max_failed_attempts: int = Field(
         default=3,
         ge=1,
-        description="An episode fails after this many failed attempts (its worker crashed or was killed, "
-        "or the engine stayed unreachable); releases on a graceful shutdown do not count.",
+        validation_alias=AliasChoices("max_attempts", "max_failed_attempts"),
+        description="MAX_ATTEMPTS: an episode fails after this many failed attempts (its worker crashed "
+        "or was killed, or the engine stayed unreachable); releases on a graceful shutdown and re-runs "
+        "of stale episodes do not count.",
     )
     max_running_episodes: int = Field(default=2048, ge=1, description="Episodes in flight in this process.")
     max_inflight_generates: int = Field(default=512, ge=1, description="Concurrent /generate calls.")

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 from starlette.types import Message
 
+from service.api.group_summaries import GroupSummaries
 from service.api.presenters import (
     ARROW_SCHEMA,
     ARROW_STREAM_MEDIA_TYPE,
@@ -27,7 +28,6 @@ from service.api.presenters import (
 )
 from service.api.schemas import EpisodeSummary, EpisodeWithTokens
 from service.app import create_app
-from service.app_state import GroupSummaries
 from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, TurnRecord
 from service.serving import serve_app
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows

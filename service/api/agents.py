@@ -219,7 +219,5 @@ async def finish(body: FinishEpisode, services: ServicesDep, episode: WaitingEpi
     (await services.agent_chat.get()).held.pop(episode.episode_id)
     if ended is None:
         raise Conflict(f"episode {episode.episode_id!r} already ended")
-    services.metrics.agent_finished(EpisodeStatus(body.status))
-    services.group_log.touch([ended])
-    services.results.notify()
+    services.endings.agent_finished(ended, EpisodeStatus(body.status))
     return FinishedOut(episode_id=episode.episode_id, status=body.status)

@@ -21,6 +21,7 @@ from sqlalchemy import Row
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from service.api.group_summaries import GroupSummaries
 from service.api.schemas import (
     BatchGroupOut,
     BatchOut,
@@ -29,7 +30,6 @@ from service.api.schemas import (
     RewardStatsOut,
     SegmentOut,
 )
-from service.app_state import GroupSummaries
 from service.records import FINISHED_STATUSES, TurnRecord
 from service.storage import blobs
 from service.storage.batch_rows import BatchHead, BatchRows, EpisodeColumns, EpisodeRows

@@ -251,6 +251,7 @@ class EpisodeWorker:
             before_sleep=failed,
             reraise=True,
         )
+
         async def attempt() -> T:  # tenacity awaits only what a coroutine function returns
             return await write()
 

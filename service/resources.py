@@ -14,7 +14,6 @@ from typing import cast
 from service.config import Settings
 from service.engine.client import AbortQuiet, SGLangClient, make_control_client
 from service.engine.transport import SocketTransport
-from service.envs.base import UserSimConfig
 from service.envs.host import EnvHost
 from service.loop.runner import EpisodeRunner
 from service.loop.tokens import ChatTokenizer, HFTokenizer
@@ -140,7 +139,7 @@ async def episode_worker(
     env_host = EnvHost(
         settings.env_workers,
         settings.env_executor,
-        user_sim_config(settings),
+        settings.user_sim,
         threads_per_worker=settings.env_threads_per_worker,
         call_timeout_seconds=settings.env_call_timeout_seconds,
     )
@@ -160,16 +159,3 @@ async def episode_worker(
             await worker.stop()
     finally:
         await env_host.close()
-
-
-def user_sim_config(settings: Settings) -> UserSimConfig:
-    return UserSimConfig(
-        base_url=settings.user_sim_base_url,
-        model=settings.user_sim_model,
-        api_key=settings.user_sim_api_key.get_secret_value(),
-        temperature=settings.user_sim_temperature,
-        seed=settings.user_sim_seed,
-        judge_base_url=settings.judge_base_url,
-        judge_model=settings.judge_model,
-        judge_api_key=settings.judge_api_key.get_secret_value(),
-    )

@@ -112,7 +112,8 @@ class OpenAIUserSimulator:
         return body
 
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        api_key = self.config.api_key.get_secret_value()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         delay = self._backoff_seconds
         for attempt in range(self._retries + 1):
             last = attempt == self._retries

@@ -24,7 +24,7 @@ from service.engine.transport import (
     HttpxTransport,
     TransportFailure,
 )
-from service.retries import backoff
+from service.retries import backoff, failed_attempt
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +147,8 @@ class _Retry(Exception):
 
 
 def _log_retry(rid: str, state: RetryCallState) -> None:
-    error = state.outcome.exception() if state.outcome is not None else None
+    error, delay = failed_attempt(state)
     reason = error.failure.reason if isinstance(error, _Retry) else repr(error)
-    delay = state.next_action.sleep if state.next_action is not None else 0.0
     logger.info("generate %s: %s; retry %d in %.2fs", rid, reason, state.attempt_number, delay)
 
 

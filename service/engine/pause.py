@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_result
 
-from service.retries import backoff
+from service.retries import backoff, next_delay
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +78,10 @@ class EnginePause:
 
     def _resume_failed(self, state: RetryCallState) -> None:
         outcome = state.outcome.result() if state.outcome is not None else {}
-        delay = state.next_action.sleep if state.next_action is not None else 0.0
         logger.error(
             "resuming generation after MAX_PAUSE_SECONDS failed on %s; retrying in %.1f s",
             _failed(outcome),
-            delay,
+            next_delay(state),
         )
 
     def _cancel_timer(self) -> None:

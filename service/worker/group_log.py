@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from service.metrics import Metrics
-from service.retries import backoff
+from service.retries import backoff, failed_attempt
 from service.storage import groups
 from service.storage.db import Database
 from service.storage.errors import is_transient
@@ -103,10 +103,8 @@ class GroupLog:
             self._next_sweep = loop.time() + self._sweep_seconds
 
     def _round_failed(self, state: RetryCallState) -> None:
-        error = state.outcome.exception() if state.outcome is not None else None
-        assert error is not None
+        error, delay = failed_attempt(state)
         self._database.status.failed(error)
-        delay = state.next_action.sleep if state.next_action is not None else 0.0
         logger.warning("logging complete groups failed (%s); retry in %.1f s", error, delay)
 
     async def _log_touched(self) -> None:

@@ -22,7 +22,7 @@ from service.config import Settings
 from service.logs import EPISODE_LOG_FIELDS
 from service.loop.runner import EpisodeRunner
 from service.records import EpisodeResult
-from service.retries import backoff
+from service.retries import backoff, failed_attempt
 from service.storage import agents, queue
 from service.storage.db import Database
 from service.storage.errors import is_refused, is_transient
@@ -239,10 +239,8 @@ class EpisodeWorker:
         outage (see _sweep_loop). Only a transient error is retried; any other is raised."""
 
         def failed(state: RetryCallState) -> None:
-            error = state.outcome.exception() if state.outcome is not None else None
-            assert error is not None
+            error, delay = failed_attempt(state)
             self.database.status.failed(error)
-            delay = state.next_action.sleep if state.next_action is not None else 0.0
             logger.warning("writing episode %s failed (%s); retry in %.1f s", claim.id, error, delay)
 
         retrying = AsyncRetrying(

@@ -66,6 +66,7 @@ class Trajectory:
     # turn would cost quadratic time over an episode (half our per-turn CPU at 30 turns).
     _encoded: list[str] = field(default_factory=list, repr=False)
     _encoded_count: int = field(default=0, repr=False)
+
     def tokens(self) -> EpisodeTokens:
         """The arrays so far as one checked value, over this trajectory's own lists: take it when
         the trajectory grows no more."""

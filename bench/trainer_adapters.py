@@ -213,6 +213,7 @@ async def run(database_url: str, args: argparse.Namespace) -> dict[str, Any]:
             "cold_seconds": round(statistics.median(cold[way]), 3),
             "cold_steps": [round(s, 3) for s in cold[way]],
             "warm_seconds": round(statistics.median(warm[way]), 4),
+            "warm_steps": [round(s, 4) for s in warm[way]],
             "overhead_of_step": round((statistics.median(warm[way]) - bare_warm) / bare_cold, 4),
         }
     result["verl_vs_slime_cold"] = round(result["verl"]["cold_seconds"] / result["slime"]["cold_seconds"], 3)

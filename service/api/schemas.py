@@ -15,7 +15,15 @@ from pydantic import (
     model_validator,
 )
 
-from service.api.values import JSON_INTEGER, MAX_JSON_DEPTH, Integer, Text, field_error, storable_json
+from service.api.values import (
+    JSON_INTEGER,
+    MAX_JSON_DEPTH,
+    Integer,
+    Label,
+    Text,
+    field_error,
+    storable_json,
+)
 from service.records import DEFAULT_MAX_NEW_TOKENS, EpisodeStatus, TurnRecord
 
 # Batch ids, and the ids the service generates (uuid hex): ASCII, so that any database stores them.
@@ -139,8 +147,8 @@ class SubmitEpisodes(BaseModel):
         description="Idempotency key; generated if absent. The same batch_id with the same body "
         "answers the same episodes; with another body, 409.",
     )
-    env: Text = Field(description="An environment name from GET /envs.")
-    task_split: Text = Field(default="test", description="A split of that environment.")
+    env: Label = Field(description="An environment name from GET /envs.")
+    task_split: Label = Field(default="test", description="A split of that environment.")
     task_indices: list[Annotated[int, Field(ge=0), JSON_INTEGER]] = Field(
         min_length=1, description="Tasks to run (indices in the split); each is one group."
     )

@@ -136,6 +136,7 @@ async def lifespan(
         tokenizer = await asyncio.to_thread(load_tokenizer, settings) if settings.run_worker else None
         call_format = await asyncio.to_thread(tool_call_format, settings, tokenizer)
         logger.info("tool-call format: %s", call_format)
+        envs = available_envs(settings.env_plugin_list)
         if settings.run_worker:
             chat = await asyncio.to_thread(load_chat_tokenizer, settings, tokenizer)
             env_host = EnvHost(
@@ -144,6 +145,7 @@ async def lifespan(
                 user_sim_config(settings),
                 threads_per_worker=settings.env_threads_per_worker,
                 call_timeout_seconds=settings.env_call_timeout_seconds,
+                envs=envs,
             )
             resources.push_async_callback(env_host.close)
             runner = EpisodeRunner(
@@ -183,7 +185,7 @@ async def lifespan(
             settings=settings,
             database=database,
             engine=engine,
-            envs=available_envs(),
+            envs=envs,
             metrics=metrics,
             results=results,
             shutting_down=shutting_down,

@@ -32,6 +32,7 @@ from service.api.schemas import (
 from service.api.token_view import episode_token_view
 from service.app_state import Services
 from service.config import Settings
+from service.envs.plugins import failed_plugin_for
 from service.records import EXTERNAL_ENV, FINISHED_STATUSES, EpisodeRequest
 from service.storage.agents import agent_tokens
 from service.storage.batches import BatchConflict, NewBatch, NewEpisode, submit_batch
@@ -64,7 +65,7 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> None:
     if body.env == EXTERNAL_ENV:  # the agent's own tasks: their indices and split are its labels
         _check_size(body, services)
         return
-    spec = services.envs.get(body.env)
+    spec = services.envs.get(body.env) or failed_plugin_for(services.envs, body.env)
     if spec is None:
         raise InvalidRequest.field(
             ["env"], f"unknown environment {body.env!r}; known: {sorted(services.envs)}"

@@ -394,12 +394,18 @@ class EnvOut(BaseModel):
     unavailable: dict[str, str] = Field(
         default_factory=dict,
         description="Splits that cannot run on this install, and why (the data file it lacks); "
-        "submitting them is a 422 saying so.",
+        "submitting them is a 422 saying so. Key `*`: the environment cannot run at all (a plugin that "
+        "failed to load, or an invalid spec), and why.",
     )
     judged_tasks: dict[str, int] = Field(
         default_factory=dict,
         description="Per split, how many tasks need an LLM judge for their reward (tau2's NL_ASSERTION): "
         "refused at submit unless JUDGE_BASE_URL is set.",
+    )
+    source: str = Field(
+        default="builtin",
+        description="Where the environment comes from: builtin, or a plugin (its entry point and "
+        "package, or its ENV_PLUGINS loader).",
     )
 
 

@@ -19,7 +19,9 @@ from service.envs.registry import available_envs
 from service.serving import serve_app
 from service.sim.policy import parse_chatml
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
+from service.storage.db import Database
 from tests.conftest import service_settings
+from tests.support.service_process import service_process, simulated_sglang, wait_batch_finished
 
 GOOD = "tests.support.plugin_envs:env_specs"
 BAD_LOADERS = [
@@ -180,3 +182,31 @@ async def test_misbehaving_envs_abort_with_their_error_never_reward_zero(
         assert episode["status"] == "aborted"
         assert needle in episode["error"]
         assert episode["reward"] is None
+
+
+async def test_plugins_load_in_every_process_of_serve_workers_and_api_processes(
+    database_url: str, db: Database, tmp_path: Path
+) -> None:
+    settings = {
+        "serve_workers": 2,
+        "serve_api_processes": 1,
+        "env_executor": "process",
+        "env_workers": 2,
+        "env_plugins": GOOD,
+        "max_running_episodes": 4,  # neither worker process claims the whole batch at once
+    }
+    async with simulated_sglang(latency_seconds=0.05) as (_, sglang_url):
+        async with service_process(tmp_path, database_url, sglang_url, "plugins", **settings) as service:
+            async with httpx.AsyncClient(base_url=service.url, timeout=10) as http:
+                for _ in range(6):  # answered by any of the processes: every one lists both plugins
+                    names = {env["name"] for env in (await http.get("/envs")).json()}
+                    assert {"plugin/counter", "helpdesk/it-support"} <= names
+                ids = []
+                for env, split in [("plugin/counter", "train"), ("helpdesk/it-support", "test")]:
+                    body = submission(env, split, list(range(6)), batch_id=env.replace("/", "-"))
+                    response = await http.post("/episodes", json=body)
+                    assert response.status_code == 202, response.text
+                    ids.append(response.json()["batch_id"])
+            for batch_id in ids:
+                episodes = await wait_batch_finished(db, batch_id, 60)
+                assert {episode.status for episode in episodes} == {"completed"}, service.log_tail()

@@ -113,7 +113,7 @@ async def test_the_example_runs_end_to_end_through_the_service(
     accepted = (await client.post("/episodes", json=body | {"max_turns": 6})).json()
     batch = (await client.get(f"/batches/{accepted['batch_id']}", params={"wait": 60})).json()
     episodes = [(await client.get(f"/episodes/{id_}")).json() for id_ in accepted["episode_ids"]]
-    assert batch["complete"] and batch["counts"]["completed"] == 6, (episodes[0]["error"], episodes[0]["messages"])
+    assert batch["complete"] and batch["counts"]["completed"] == 6, episodes[0]["error"]
     for episode in episodes:
         assert episode["info"]["ground_truth"], episode["info"]  # info reaches the trainer's records
         tool_answers = [m for m in episode["messages"] if m["role"] == "tool"]

@@ -210,3 +210,21 @@ async def test_plugins_load_in_every_process_of_serve_workers_and_api_processes(
             for batch_id in ids:
                 episodes = await wait_batch_finished(db, batch_id, 60)
                 assert {episode.status for episode in episodes} == {"completed"}, service.log_tail()
+
+
+async def test_task_split_is_required_unless_the_env_declares_its_training_split(
+    plugin_client: httpx.AsyncClient,
+) -> None:
+    listed = {env["name"]: env for env in (await plugin_client.get("/envs")).json()}
+    assert listed["builtin/shop"]["train_split"] is None
+    assert listed["helpdesk/it-support"]["train_split"] == "train"
+
+    body = {"env": "builtin/shop", "task_indices": [0]}
+    response = await plugin_client.post("/episodes", json=body)
+    assert response.status_code == 422
+    assert "task_split is required: builtin/shop declares no training split" in response.text, response.text
+
+    response = await plugin_client.post("/episodes", json={"env": "helpdesk/it-support", "task_indices": [7]})
+    assert response.status_code == 202, response.text
+    batch = (await plugin_client.get(f"/batches/{response.json()['batch_id']}")).json()
+    assert batch["task_split"] == "train"

@@ -140,7 +140,12 @@ class SubmitEpisodes(BaseModel):
         "answers the same episodes; with another body, 409.",
     )
     env: Text = Field(description="An environment name from GET /envs.")
-    task_split: Text = Field(default="test", description="A split of that environment.")
+    task_split: Text | None = Field(
+        default=None,
+        description="A split of that environment. Required unless the environment declares its training "
+        "split (`train_split` in GET /envs), which it then runs: there is no silent default. Env "
+        "`external`: a label, empty if absent.",
+    )
     task_indices: list[Annotated[int, Field(ge=0), JSON_INTEGER]] = Field(
         min_length=1, description="Tasks to run (indices in the split); each is one group."
     )
@@ -401,6 +406,10 @@ class EnvOut(BaseModel):
         default_factory=dict,
         description="Per split, how many tasks need an LLM judge for their reward (tau2's NL_ASSERTION): "
         "refused at submit unless JUDGE_BASE_URL is set.",
+    )
+    train_split: str | None = Field(
+        default=None,
+        description="The split a submit without `task_split` runs; null: every submit names its split.",
     )
     source: str = Field(
         default="builtin",

@@ -42,7 +42,8 @@ class CounterEnv:
 
 
 class MisbehavingEnv(CounterEnv):
-    """Its split names how it misbehaves: `reset` raises in reset, `step` in step, `nan` gives a
+    """Its split names how it misbehaves: `reset` raises in reset, `step` in step, `late` in the step
+    after one that rewarded 0, `nan` gives a
     NaN in info, `surrogate` a lone surrogate in its transcript, `object` a non-JSON info value."""
 
     def reset(self, task_index: int) -> Reset:
@@ -53,6 +54,8 @@ class MisbehavingEnv(CounterEnv):
     def step(self, action: Action) -> Step:
         if self.split == "step":
             raise ValueError("step exploded")
+        if self.split == "late" and self.counter:
+            raise ValueError("step exploded after a reward")
         if self.split == "nan":
             return Step("x", 0.0, False, {"score": math.nan})
         if self.split == "surrogate":
@@ -75,7 +78,7 @@ def env_specs() -> list[EnvSpec]:
         EnvSpec("plugin/counter", {"train": 20, "test": 5}, "A counter to bring to a target.", counter_env),
         EnvSpec(
             "plugin/misbehaving",
-            dict.fromkeys(("reset", "step", "nan", "surrogate", "object"), 2),
+            dict.fromkeys(("reset", "step", "late", "nan", "surrogate", "object"), 2),
             "Misbehaves as its split says.",
             misbehaving_env,
         ),

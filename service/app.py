@@ -24,7 +24,7 @@ from service.engine.client import AbortQuiet, SGLangClient, make_control_client
 from service.engine.transport import SocketTransport
 from service.envs.base import UserSimConfig
 from service.envs.host import EnvHost
-from service.envs.registry import available_envs
+from service.envs.registry import available_envs, with_loaders
 from service.loop.runner import EpisodeRunner
 from service.loop.tokens import ChatTokenizer, HFTokenizer, TokenTexts
 from service.loop.toolcalls import AUTO, format_of_template, get_parser
@@ -136,7 +136,7 @@ async def lifespan(
         tokenizer = await asyncio.to_thread(load_tokenizer, settings) if settings.run_worker else None
         call_format = await asyncio.to_thread(tool_call_format, settings, tokenizer)
         logger.info("tool-call format: %s", call_format)
-        envs = available_envs(settings.env_plugin_list)
+        envs = with_loaders(available_envs(), settings.env_plugin_list)
         if settings.run_worker:
             chat = await asyncio.to_thread(load_chat_tokenizer, settings, tokenizer)
             env_host = EnvHost(

@@ -32,16 +32,21 @@ class PluginSource:
     load: Callable[[], Any]  # imports the plugin: its function returning EnvSpecs
 
 
-def plugin_sources(loaders: Sequence[str] = ()) -> list[PluginSource]:
-    """The installed packages' entry points, by name, then `loaders` (`module:function`) in order."""
+def entry_point_sources() -> list[PluginSource]:
+    """The installed packages' entry points of ENTRY_POINT_GROUP, by name."""
     sources = []
     for point in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda point: point.name):
         dist = point.dist
         owner = f" ({dist.name} {dist.version})" if dist is not None else ""
         sources.append(PluginSource(point.name, f"entry point {point.name}{owner}", point.load))
-    for text in loaders:
-        sources.append(PluginSource(text, f"ENV_PLUGINS {text}", functools.partial(load_function, text)))
     return sources
+
+
+def loader_sources(loaders: Sequence[str]) -> list[PluginSource]:
+    """`module:function` loaders (the ENV_PLUGINS setting), in order."""
+    return [
+        PluginSource(text, f"ENV_PLUGINS {text}", functools.partial(load_function, text)) for text in loaders
+    ]
 
 
 def load_function(text: str) -> Any:

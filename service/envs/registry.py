@@ -93,5 +93,11 @@ def available_envs(loaders: tuple[str, ...] | list[str] = ()) -> dict[str, EnvSp
     if tau2_data.tau2_installed():
         specs.extend(tau2_envs())
     catalog = {spec.name: spec for spec in specs}
-    plugins.add_plugins(catalog, plugins.plugin_sources(loaders))
+    plugins.add_plugins(catalog, plugins.entry_point_sources())
+    return with_loaders(catalog, loaders)
+
+
+def with_loaders(catalog: dict[str, EnvSpec], loaders: tuple[str, ...] | list[str]) -> dict[str, EnvSpec]:
+    """`catalog` with the specs of `loaders` (`module:function`, the ENV_PLUGINS setting) added."""
+    plugins.add_plugins(catalog, plugins.loader_sources(loaders))
     return catalog

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import textwrap
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from service.sim.policy import parse_chatml
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.storage.db import Database
 from tests.conftest import service_settings
+from tests.support.plugin_envs import HANG_SECONDS
 from tests.support.service_process import service_process, simulated_sglang, wait_batch_finished
 
 GOOD = "tests.support.plugin_envs:env_specs"
@@ -103,16 +105,27 @@ def counter_policy(prompt: str, key: str) -> str:
     return "Done."
 
 
+@asynccontextmanager
+async def plugin_service(database_url: str, **overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The service with the test plugins (good and bad) in a spawned env worker, against a simulated
+    worker playing plugin/counter."""
+    worker = SimWorker(SimConfig(latency_seconds=0.01, policy=counter_policy))
+    plugins = ",".join([GOOD, *BAD_LOADERS])
+    with serve_in_thread(create_sim_app(worker.config, worker=worker)) as sim_url:
+        settings = service_settings(
+            database_url, sim_url, env_plugins=plugins, env_executor="process", env_workers=1, **overrides
+        )
+        async with (
+            serve_app(create_app(settings)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
+        ):
+            yield http
+
+
 @pytest.fixture
 async def plugin_client(database_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    worker = SimWorker(SimConfig(latency_seconds=0.01, policy=counter_policy))
-    settings = service_settings(
-        database_url, "", env_plugins=",".join([GOOD, *BAD_LOADERS]), env_executor="process", env_workers=1
-    )
-    with serve_in_thread(create_sim_app(worker.config, worker=worker)) as sim_url:
-        app = create_app(settings.model_copy(update={"sglang_url": sim_url}))
-        async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
-            yield http
+    async with plugin_service(database_url) as http:
+        yield http
 
 
 def submission(env: str, split: str, tasks: list[int], **overrides: Any) -> dict[str, Any]:
@@ -230,3 +243,15 @@ async def test_task_split_is_required_unless_the_env_declares_its_training_split
     assert response.status_code == 202, response.text
     batch = (await plugin_client.get(f"/batches/{response.json()['batch_id']}")).json()
     assert batch["task_split"] == "train"
+
+
+async def test_an_env_that_hangs_fails_at_the_call_timeout(database_url: str) -> None:
+    async with plugin_service(database_url, env_call_timeout_seconds=HANG_SECONDS / 2) as client:
+        # The first episode starts the env worker process (slow on a busy machine): not timed here.
+        await finished_episodes(client, submission("plugin/counter", "train", [0], samples_per_task=1))
+        episodes = await finished_episodes(client, submission("plugin/misbehaving", "hang", [0]))
+    for episode in episodes:
+        assert episode["status"] == "failed"  # infrastructure: not trained on
+        assert "TimeoutError" in episode["error"], episode["error"]
+        assert f"did not return within {HANG_SECONDS / 2:g} s" in episode["error"]
+        assert episode["reward"] is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 from service.envs.api import RESPOND_ACTION_NAME, Action, EnvSpec, Reset, Step, UserSimConfig, function_tool
@@ -41,9 +42,12 @@ class CounterEnv:
         return Step(f"Error: unknown tool {action.name}", 0.0, False)
 
 
+HANG_SECONDS = 3.0  # past the tests' ENV_CALL_TIMEOUT_SECONDS
+
+
 class MisbehavingEnv(CounterEnv):
     """Its split names how it misbehaves: `reset` raises in reset, `step` in step, `late` in the step
-    after one that rewarded 0, `nan` gives a
+    after one that rewarded 0, `hang` blocks past the call timeout, `nan` gives a
     NaN in info, `surrogate` a lone surrogate in its transcript, `object` a non-JSON info value."""
 
     def reset(self, task_index: int) -> Reset:
@@ -56,6 +60,8 @@ class MisbehavingEnv(CounterEnv):
             raise ValueError("step exploded")
         if self.split == "late" and self.counter:
             raise ValueError("step exploded after a reward")
+        if self.split == "hang":
+            time.sleep(HANG_SECONDS)
         if self.split == "nan":
             return Step("x", 0.0, False, {"score": math.nan})
         if self.split == "surrogate":
@@ -78,7 +84,7 @@ def env_specs() -> list[EnvSpec]:
         EnvSpec("plugin/counter", {"train": 20, "test": 5}, "A counter to bring to a target.", counter_env),
         EnvSpec(
             "plugin/misbehaving",
-            dict.fromkeys(("reset", "step", "late", "nan", "surrogate", "object"), 2),
+            dict.fromkeys(("reset", "step", "late", "nan", "surrogate", "object", "hang"), 2),
             "Misbehaves as its split says.",
             misbehaving_env,
         ),

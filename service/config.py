@@ -148,7 +148,8 @@ class Settings(BaseSettings):
     env_plugins: str = Field(
         default="",
         description="Comma-separated `module:function` loaders of environment plugins (each function "
-        "returns EnvSpecs); loaded in every service and env worker process, as entry points are.",
+        "returns EnvSpecs), loaded in every service process as entry points are; env worker processes "
+        "import each spec's factory by its module.",
     )
 
     @property

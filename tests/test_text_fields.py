@@ -35,7 +35,7 @@ NUL, SURROGATE = "a\x00b", "a\ud800b"
 URL_FORMS = {NUL: quote(NUL), SURROGATE: "a%ED%A0%80b"}
 ITEM, ANY_KEY = "[]", "{}"  # a path's list item and free-form object key
 # Header parameters: HTTP cannot carry a NUL in a header, and h11 refuses one.
-HEADERS = {"accept", "authorization"}
+HEADERS = {"accept", "authorization", "x-api-key"}
 
 Path_ = tuple[str | int, ...]
 
@@ -169,6 +169,64 @@ BODIES: dict[str, list[dict[str, Any]]] = {
             "max_tokens": 8,
         },
         {"messages": [{"role": "user", "content": "Hi"}], "stop": "x", "max_tokens": 8},
+    ],
+    "POST /v1/episodes/{episode_id}/messages": [
+        {
+            "model": "policy",
+            "max_tokens": 8,
+            "system": [{"type": "text", "text": "You look words up."}],
+            "messages": [
+                {"role": "user", "content": "What is a word?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "Look it up.", "signature": "s"},
+                        {"type": "redacted_thinking", "data": "x"},
+                        {"type": "text", "text": "Looking."},
+                        {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"word": "x"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": [{"type": "text", "text": "A unit."}],
+                        },
+                        {"type": "text", "text": "Thanks."},
+                    ],
+                },
+            ],
+            "tools": [
+                {
+                    "type": "custom",
+                    "name": "lookup",
+                    "description": "Looks a word up.",
+                    "input_schema": TOOL["function"]["parameters"],  # type: ignore[index]
+                }
+            ],
+            "tool_choice": {"type": "tool", "name": "lookup"},
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "stop_sequences": ["x"],
+        },
+        {
+            "max_tokens": 8,
+            "system": "Be brief.",
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t", "name": "lookup", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t", "content": '{"a": 1}', "is_error": True}
+                    ],
+                },
+            ],
+        },
     ],
     "POST /v1/episodes/{episode_id}/finish": [
         {"status": "completed", "reward": 1.0, "info": {"note": "x", "list": ["y"]}, "error": "x"},

@@ -42,6 +42,7 @@ class Answer:
     reasoning: str | None  # the model's thinking, without its tags
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: FinishReason = "stop"
+    stop_sequence: str | None = None  # the agent's stop string that ended the answer, if one did
     prompt_tokens: int = 0
     completion_tokens: int = 0
 

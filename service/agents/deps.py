@@ -10,7 +10,7 @@ from fastapi import Depends, Header
 
 from service.agents.errors import AgentError, EngineRefused, EngineUnavailable, EpisodeClosed, UnknownEpisode
 from service.agents.repository import AgentEpisode
-from service.api.auth import authorized
+from service.api.auth import bearer_key, is_one_of
 from service.api.deps import ServicesDep
 from service.api.episodes import EpisodeId
 from service.api.errors import Conflict, InvalidRequest, NotFound, ServiceError, Unauthorized
@@ -46,16 +46,23 @@ http_errors = _HttpErrors()
 
 
 async def waiting_episode(
-    services: ServicesDep, episode_id: EpisodeId, authorization: Annotated[str, Header()] = ""
+    services: ServicesDep,
+    episode_id: EpisodeId,
+    authorization: Annotated[str, Header()] = "",
+    x_api_key: Annotated[
+        str, Header(description="The episode's token, as Anthropic's clients may send it instead.")
+    ] = "",
 ) -> AgentEpisode:
-    """The episode, if the bearer token is its own (or an API key) and it waits for its agent.
-    Needs no tokenizer: an API-only process answers a 401 without loading one."""
+    """The episode, if the token (`Authorization: Bearer`, or Anthropic's `x-api-key`) is its own
+    (or an API key) and it waits for its agent. Needs no tokenizer: an API-only process answers a
+    401 without loading one."""
     with http_errors:
         episode = await services.agents.episode(episode_id)
     assert episode.agent_token is not None  # UnknownEpisode otherwise
     keys = [episode.agent_token.encode(), *(key.encode() for key in services.settings.api_key_list)]
     # Starlette decodes headers as latin-1: encoding it back gives the bytes as sent.
-    if not authorized(authorization.encode("latin-1", "replace"), keys):
+    key = bearer_key(authorization.encode("latin-1", "replace")) or x_api_key.encode("latin-1", "replace")
+    if not key or not is_one_of(key, keys):
         raise Unauthorized("missing or invalid token: send 'Authorization: Bearer <the episode's api_key>'")
     with http_errors:
         services.agents.check_waiting(episode)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.agents import chat_completions
+from service.agents import anthropic_messages, chat_completions
 from service.agents.deps import WaitingEpisode, http_errors
 from service.agents.schemas import FinishedOut, FinishEpisode
 from service.api.deps import ServicesDep
@@ -13,6 +13,7 @@ from service.records import EpisodeStatus
 
 router = APIRouter(tags=["agents"])
 router.include_router(chat_completions.router)  # a protocol: one module, one line here
+router.include_router(anthropic_messages.router)
 
 
 @router.post(

@@ -149,10 +149,12 @@ class AgentTurns:
                 prompt_tokens=prompt_tokens,
                 completion_tokens=len(sampled),
             )
+        matched = generation.finish_reason.get("matched")  # SGLang's: a stop string, or a stop token's id
         return Answer(
             content=visible.strip(),
             reasoning=reasoning or None,
             finish_reason="length" if generation.finish_type == "length" else "stop",
+            stop_sequence=matched if isinstance(matched, str) else None,
             prompt_tokens=prompt_tokens,
             completion_tokens=len(sampled),
         )

@@ -21,7 +21,7 @@ from service.agents.service import HeldEpisodes
 from service.app import create_app
 from service.serving import serve_app
 from service.sim.worker import SimRequest, SimWorker
-from service.storage.agents import TOKEN_BLOBS
+from service.storage.blobs import TOKEN_BLOBS
 from tests.conftest import service_settings
 from tests.support.agents import ANSWER, QUESTION, SYSTEM, TOOLS, finish, open_episodes
 from tests.support.contract import GenerateCall, assert_tokens_match_calls, generate_call, sim_calls

@@ -7,17 +7,19 @@ episode waits in the queue (its owner, its idle deadline) is storage's (service/
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Table, Update, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from service.records import EpisodeStatus
-from service.storage.agents import EXTERNAL_OWNER, TOKEN_BLOBS
+from service.records import EpisodeStatus, EpisodeTokens
+from service.storage import blobs
+from service.storage.agents import EXTERNAL_OWNER
+from service.storage.blobs import TOKEN_BLOBS
 from service.storage.db import Database, utcnow
-from service.storage.models import Episode, EpisodeSegment, EpisodeTokens
+from service.storage.models import Episode, EpisodeSegment
 
 SEGMENT_COLUMNS = (*TOKEN_BLOBS, "turns", "messages")  # what a segment has of its own
 _RUNNING = EpisodeStatus.RUNNING.value
@@ -28,10 +30,7 @@ class Segment:
     """A segment's token arrays (the trainer contract's P, R, M, L), its calls and its messages:
     the conversation as the agent sent it, with each assistant message as the service answered."""
 
-    prompt_ids: list[int]
-    response_ids: list[int]
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
+    tokens: EpisodeTokens
     turns: list[dict[str, Any]]
     messages: list[dict[str, Any]]
 
@@ -149,17 +148,15 @@ async def load_agent_episode(database: Database, episode_id: str) -> AgentEpisod
 def _segment_of(columns: dict[str, Any]) -> Segment | None:
     if columns["prompt_ids"] is None or columns["response_ids"] is None:
         return None
-    tokens = EpisodeTokens.decoded(*(columns[name] for name in TOKEN_BLOBS))
     return Segment(
-        **asdict(tokens), turns=list(columns["turns"] or []), messages=list(columns["messages"] or [])
+        tokens=blobs.decode_tokens(*(columns[name] for name in TOKEN_BLOBS)),
+        turns=list(columns["turns"] or []),
+        messages=list(columns["messages"] or []),
     )
 
 
 def _segment_columns(segment: Segment) -> dict[str, Any]:
-    tokens = EpisodeTokens(
-        segment.prompt_ids, segment.response_ids, segment.loss_mask, segment.rollout_logprobs
-    )
-    return {**tokens.encoded(), "turns": segment.turns, "messages": segment.messages}
+    return {**blobs.encode_tokens(segment.tokens), "turns": segment.turns, "messages": segment.messages}
 
 
 async def store_call(

@@ -27,7 +27,5 @@ async def finish(body: FinishEpisode, services: ServicesDep, episode: WaitingEpi
     status = EpisodeStatus(body.status)
     with http_errors:
         ended = await services.agents.finish(episode.episode_id, status, body.reward, body.info, body.error)
-    services.metrics.agent_finished(status)
-    services.group_log.touch([ended])
-    services.results.notify()
+    services.endings.agent_finished(ended, status)
     return FinishedOut(episode_id=episode.episode_id, status=body.status)

@@ -21,7 +21,7 @@ from service.engine.client import EngineError, EngineRequestError, Generation
 from service.loop.runner import Engine, sample_turn
 from service.loop.tokens import ChatTokenizer, Trajectory
 from service.loop.toolcalls import ToolCallParseError, ToolCallParser, strip_reasoning
-from service.records import DEFAULT_MAX_NEW_TOKENS, TurnRecord, attempt_rid_prefix
+from service.records import DEFAULT_MAX_NEW_TOKENS, EpisodeTokens, TurnRecord, attempt_rid_prefix
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,11 @@ class AgentTurns:
             return last, None, self.chat.messages_ids([template_message(message) for message in new])
         # The first message records the tools the prompt was rendered with.
         head = {"role": "tools", "tools": call.tools or None}
+        prompt_ids = self.chat.conversation_ids(
+            [template_message(message) for message in call.messages], call.tools
+        )
         segment = Segment(
-            prompt_ids=self.chat.conversation_ids(
-                [template_message(message) for message in call.messages], call.tools
-            ),
-            response_ids=[],
-            loss_mask=[],
-            rollout_logprobs=[],
+            tokens=EpisodeTokens(prompt_ids, [], [], []),
             turns=[],
             messages=[head, *call.messages],
         )
@@ -89,11 +87,12 @@ class AgentTurns:
         if episode.calls >= episode.max_turns:
             raise EpisodeClosed(f"the episode made its max_turns ({episode.max_turns}) calls")
         segment, closed, context = self._segment_for(episode, call)
-        trajectory = Trajectory(  # over the segment's own lists: what it adds, the segment holds
-            prompt_ids=segment.prompt_ids,
-            response_ids=segment.response_ids,
-            loss_mask=segment.loss_mask,
-            logprobs=segment.rollout_logprobs,
+        tokens = segment.tokens
+        trajectory = Trajectory(  # grows copies: a call that fails leaves the segment as it was
+            prompt_ids=tokens.prompt_ids,
+            response_ids=list(tokens.response_ids),
+            loss_mask=list(tokens.loss_mask),
+            rollout_logprobs=list(tokens.rollout_logprobs),
         )
         trajectory.add_context(context)
         prompt_tokens = len(trajectory.prompt_ids) + len(trajectory.response_ids)
@@ -117,6 +116,7 @@ class AgentTurns:
         actions = [tool_call.name for tool_call in answer.tool_calls]
         records[-1].action = actions[0] if actions else None
         records[-1].actions = actions if len(actions) > 1 else None
+        segment.tokens = trajectory.tokens()
         segment.turns += [record.to_json() for record in records]
         segment.messages.append(answer.message)
         return AnsweredCall(answer, segment, closed)

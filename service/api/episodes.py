@@ -79,7 +79,9 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> None:
         raise InvalidRequest.field(["task_split"], f"{body.env} {body.task_split} cannot run here: {why}")
     size = spec.splits[body.task_split]
     judged = (
-        spec.judged_tasks.get(body.task_split, frozenset()) if not services.settings.judge_base_url else ()
+        spec.judged_tasks.get(body.task_split, frozenset())
+        if not services.settings.user_sim.judge_base_url
+        else ()
     )
     for position, index in enumerate(body.task_indices):
         if not 0 <= index < size:

@@ -16,10 +16,9 @@ from sqlalchemy import update
 
 from service.records import EpisodeStatus
 from service.storage.db import Database, utcnow
-from service.storage.models import TOKEN_COLUMNS, Episode
+from service.storage.models import Episode
 
 EXTERNAL_OWNER = "external-agent"
-TOKEN_BLOBS = tuple(column.key for column in TOKEN_COLUMNS)
 IDLE_ERROR = "timed out: its agent made no call for EXTERNAL_IDLE_SECONDS"
 _RUNNING = EpisodeStatus.RUNNING.value
 

@@ -228,6 +228,58 @@ BODIES: dict[str, list[dict[str, Any]]] = {
             ],
         },
     ],
+    "POST /v1/episodes/{episode_id}/responses": [
+        {
+            "model": "policy",
+            "instructions": "You look words up.",
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "What is a word?"}],
+                },
+                {
+                    "type": "reasoning",
+                    "summary": [{"type": "summary_text", "text": "Look it up."}],
+                    "content": [{"type": "reasoning_text", "text": "Look it up."}],
+                },
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [
+                        {"type": "output_text", "text": "Looking."},
+                        {"type": "refusal", "refusal": "No."},
+                    ],
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "call_1",
+                    "name": "lookup",
+                    "arguments": '{"word": "x"}',
+                },
+                {
+                    "type": "function_call_output",
+                    "call_id": "call_1",
+                    "output": [
+                        {"type": "input_text", "text": "A unit."},
+                        {"type": "refusal", "refusal": "x"},
+                    ],
+                },
+            ],
+            "tools": [{"type": "function", **TOOL["function"]}],  # type: ignore[dict-item]
+            "tool_choice": {"type": "function", "name": "lookup"},
+            "max_output_tokens": 8,
+        },
+        {
+            "input": [
+                {"role": "user", "content": "Hi"},
+                {"type": "function_call_output", "call_id": "c", "output": "x"},
+            ],
+            "tool_choice": "auto",
+            "max_output_tokens": 8,
+        },
+        {"input": "Hi", "previous_response_id": "resp_0", "max_output_tokens": 8},
+    ],
     "POST /v1/episodes/{episode_id}/finish": [
         {"status": "completed", "reward": 1.0, "info": {"note": "x", "list": ["y"]}, "error": "x"},
     ],

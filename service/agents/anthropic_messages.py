@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from fastapi import APIRouter
+from fastapi.responses import Response, StreamingResponse
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from service.agents.conversation import Answer, ChatCall
-from service.agents.deps import EngineFailed, WaitingEpisode, http_errors
+from service.agents.deps import EngineFailed, WaitingEpisode, http_errors, protocol_errors
+from service.agents.schemas import known_type
 from service.api.deps import ServicesDep
 from service.api.errors import (
     Conflict,
@@ -26,12 +26,9 @@ from service.api.errors import (
     InvalidRequest,
     NotFound,
     ServiceError,
-    as_service_error,
-    error_body,
-    error_headers,
     responses,
 )
-from service.api.values import Text, field_error, storable_json
+from service.api.values import Text, storable_json
 
 SSE_MEDIA_TYPE = "text/event-stream"
 # What the agent gets back as a thinking block's signature: Anthropic's is a proof of its own
@@ -52,46 +49,13 @@ ERROR_TYPES = {
 }
 
 
-class MessagesErrorDetail(BaseModel):
-    type: str = Field(description="Anthropic's error type, e.g. invalid_request_error, not_found_error.")
-    message: str
-
-
-class MessagesError(ErrorBody):
-    """An error in Anthropic's shape (`type: error`, `error.type`, `error.message`), with the
-    service's `detail` and `errors` beside it."""
-
-    type: Literal["error"] = "error"
-    error: MessagesErrorDetail
-
-
-def messages_error(error: ServiceError) -> JSONResponse:
-    body = error_body(error)
+def messages_error(error: ServiceError, body: ErrorBody) -> dict[str, Any]:
+    """Anthropic's error fields: `type: "error"`, and `error` with its type and message."""
     kind = ERROR_TYPES.get(error.status_code, "api_error")
-    answer = MessagesError(**body.model_dump(), error=MessagesErrorDetail(type=kind, message=body.detail))
-    return JSONResponse(answer.model_dump(), status_code=error.status_code, headers=error_headers(error))
+    return {"type": "error", "error": {"type": kind, "message": body.detail}}
 
 
-class MessagesRoute(APIRoute):
-    """A route whose errors (its body's validation, its episode's token, the engine's) answer in
-    Anthropic's shape, which Anthropic's clients read."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def answer(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except Exception as error:
-                failure = as_service_error(request, error)
-                if failure is None:
-                    raise
-                return messages_error(failure)
-
-        return answer
-
-
-router = APIRouter(route_class=MessagesRoute)  # tagged by routes.py
+router = APIRouter(route_class=protocol_errors(messages_error))  # tagged by routes.py
 Json = Annotated[dict[str, Any], AfterValidator(storable_json)]
 _BLOCK = ConfigDict(extra="ignore")  # cache_control, citations, ...: accepted, of no use here
 
@@ -133,23 +97,13 @@ class ToolResultBlock(BaseModel):
     is_error: bool = False
 
 
-BLOCK_TYPES = ("text", "thinking", "redacted_thinking", "tool_use", "tool_result")
-
-
-def _known_block(block: Any) -> Any:
-    """A block of a type this service reads, else the error names its `type` (pydantic's names the block)."""
-    if isinstance(block, dict) and block.get("type") not in BLOCK_TYPES:
-        message = (
-            f"a content block's type is one of {', '.join(BLOCK_TYPES)} (images and documents are not read)"
-        )
-        raise field_error(["type"], "union_tag_invalid", message, block)
-    return block
-
-
 ContentBlock = Annotated[
     TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock,
     Field(discriminator="type"),
-    BeforeValidator(_known_block),
+    known_type(
+        ("text", "thinking", "redacted_thinking", "tool_use", "tool_result"),
+        "a content block (images and documents are not read)",
+    ),
 ]
 
 

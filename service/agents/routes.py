@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.agents import anthropic_messages, chat_completions
+from service.agents import anthropic_messages, chat_completions, openai_responses
 from service.agents.deps import WaitingEpisode, http_errors
 from service.agents.schemas import FinishedOut, FinishEpisode
 from service.api.deps import ServicesDep
@@ -14,6 +14,7 @@ from service.records import EpisodeStatus
 router = APIRouter(tags=["agents"])
 router.include_router(chat_completions.router)  # a protocol: one module, one line here
 router.include_router(anthropic_messages.router)
+router.include_router(openai_responses.router)
 
 
 @router.post(

@@ -205,6 +205,8 @@ async def test_finished_and_idle_episodes_take_no_more_calls(
             ("body", "status"),
             ("body", "reward"),
         }
+        async with agent_client(done) as llm:  # a played episode: its status is the agent's
+            await llm.chat.completions.create(model="policy", messages=[QUESTION])  # type: ignore[list-item]
         assert (await finish(http, done, status="truncated", reward=0.0)).status_code == 200
         assert (await finish(http, done, reward=1.0)).status_code == 409
         async with agent_client(done) as llm:
@@ -302,3 +304,20 @@ def test_held_episodes_are_bounded_by_their_token_bytes() -> None:
     cache.pop("a")
     cache.pop("a")
     assert cache.bytes == 0
+
+
+async def test_an_episode_finished_before_any_call_ends_failed(
+    agent_service: httpx.AsyncClient,
+) -> None:
+    """A finish before the first call is no sample: it ends `failed` (trainers skip it) whatever
+    status the agent gave, unless it said `aborted` or `failed` itself; its group still completes."""
+    unplayed, aborted = await open_episodes(agent_service, samples=2)
+    answer = await finish(agent_service, unplayed, reward=1.0)
+    assert answer.status_code == 200 and answer.json()["status"] == "failed"
+    assert (await finish(agent_service, aborted, status="aborted", error="no sandbox")).json()[
+        "status"
+    ] == "aborted"
+    episode = (await agent_service.get(f"/episodes/{unplayed['episode_id']}")).json()
+    assert episode["status"] == "failed" and "before its first call" in episode["error"]
+    batch = (await agent_service.get(f"/batches/{episode['batch_id']}")).json()
+    assert batch["complete"] and batch["counts"]["failed"] == 1 and batch["counts"]["aborted"] == 1

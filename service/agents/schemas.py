@@ -23,7 +23,7 @@ class FinishEpisode(BaseModel):
 
 class FinishedOut(BaseModel):
     episode_id: str
-    status: str
+    status: str = Field(description="As it ended: `failed` for an episode that made no call.")
 
 
 def known_type(types: tuple[str, ...], what: str, *, untyped: str | None = None) -> BeforeValidator:

@@ -131,6 +131,40 @@ async def test_max_tokens_and_errors_in_anthropics_shape(
     assert_tokens_match_calls(episode, sim_calls(agent_sim[0], episode["id"], 0))
 
 
+async def test_a_stop_sequence_ends_the_text_and_its_replay_stays_one_segment(
+    agent_service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str]
+) -> None:
+    (agent,) = await open_episodes(agent_service)
+    request: dict[str, Any] = {
+        "model": "policy",
+        "max_tokens": 256,
+        "system": SYSTEM["content"],
+        "tools": [TOOL],
+    }
+    messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION["content"]}]
+    async with claude(agent) as llm:
+        first = await llm.messages.create(messages=messages, **request)  # type: ignore[arg-type]
+        messages.append(as_history(first))
+        use = first.content[1]
+        assert use.type == "tool_use"
+        messages.append(
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}
+        )
+        cut = await llm.messages.create(messages=messages, stop_sequences=["sunny"], **request)  # type: ignore[arg-type]
+        assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == "sunny"
+        assert [(block.type, block.text) for block in cut.content] == [("text", "It is")]  # type: ignore[union-attr]
+        messages += [as_history(cut), {"role": "user", "content": "And tomorrow?"}]
+        again = await llm.messages.create(messages=messages, **request)  # type: ignore[arg-type]
+        assert again.stop_reason == "tool_use"
+    assert (await finish(agent_service, agent, reward=1.0)).status_code == 200
+    episode = (await agent_service.get(f"/episodes/{agent['episode_id']}")).json()
+    assert episode["segments"] == 1 and episode["num_turns"] == 3
+    calls = sim_calls(agent_sim[0], episode["id"], 0)
+    assert_tokens_match_calls(episode, calls)
+    (second,) = [request for request in agent_sim[0].requests if request.rid.endswith(":1")]
+    assert second.sampling_params["stop"] == ["sunny"]
+
+
 def test_a_matched_stop_sequence_and_its_stream() -> None:
     answer = Answer("Paris", "Cities.", stop_sequence="\n\n", prompt_tokens=9, completion_tokens=4)
     body = message_body(answer, "policy")

@@ -148,6 +148,10 @@ class AgentTurns:
     ) -> Answer:
         """The sampled ids as an answer: visible text, reasoning, tool calls, finish reason."""
         text = self.chat.sampled_text(sampled)
+        matched = generation.finish_reason.get("matched")  # SGLang's: a stop string, or a stop token's id
+        stop_sequence = matched if isinstance(matched, str) else None
+        if stop_sequence and stop_sequence in text:  # the text ends before it, as OpenAI's and Anthropic's
+            text = text[: text.index(stop_sequence)]
         visible = strip_reasoning(text)
         reasoning = text[: len(text) - len(visible)].replace("<think>", "").replace("</think>", "").strip()
         try:
@@ -167,12 +171,11 @@ class AgentTurns:
                 prompt_tokens=prompt_tokens,
                 completion_tokens=len(sampled),
             )
-        matched = generation.finish_reason.get("matched")  # SGLang's: a stop string, or a stop token's id
         return Answer(
             content=visible.strip(),
             reasoning=reasoning or None,
             finish_reason="length" if generation.finish_type == "length" else "stop",
-            stop_sequence=matched if isinstance(matched, str) else None,
+            stop_sequence=stop_sequence,
             call=call,
             prompt_tokens=prompt_tokens,
             completion_tokens=len(sampled),

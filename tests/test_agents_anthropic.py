@@ -48,7 +48,11 @@ async def play(agent: dict[str, Any], *, stream: bool) -> None:
         "tools": [TOOL],
     }
     async with claude(agent) as llm:
-        first = await llm.messages.create(messages=messages, **request)  # type: ignore[arg-type]
+        if stream:  # the tool_use block's input arrives as input_json_delta
+            async with llm.messages.stream(messages=messages, **request) as events:  # type: ignore[arg-type]
+                first = await events.get_final_message()
+        else:
+            first = await llm.messages.create(messages=messages, **request)  # type: ignore[arg-type]
         assert first.stop_reason == "tool_use" and first.role == "assistant"
         thinking, use = first.content
         assert thinking.type == "thinking" and thinking.thinking == "The user wants the weather."

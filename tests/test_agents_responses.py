@@ -118,8 +118,18 @@ async def test_streamed_responses_replaying_their_items_are_recorded_the_same(
     await stored_exactly(agent_service, agent_sim[0], agent, calls=2)
 
 
+async def run(agent: Agent[Any], given: Any, config: RunConfig, streamed: bool) -> Any:
+    if not streamed:
+        return await Runner.run(agent, given, run_config=config)
+    result = Runner.run_streamed(agent, given, run_config=config)
+    async for _ in result.stream_events():
+        pass
+    return result
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 async def test_an_agents_sdk_agent_over_several_turns_gets_one_exact_segment(
-    agent_service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str]
+    agent_service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str], streamed: bool
 ) -> None:
     (agent,) = await open_episodes(agent_service)
     cities: list[str] = []
@@ -133,10 +143,10 @@ async def test_an_agents_sdk_agent_over_several_turns_gets_one_exact_segment(
     async with llm(agent) as client:
         assistant = Agent(name="weather", instructions=SYSTEM["content"], tools=[get_weather])
         config = RunConfig(model=OpenAIResponsesModel("policy", client), tracing_disabled=True)
-        first = await Runner.run(assistant, QUESTION["content"], run_config=config)
+        first = await run(assistant, QUESTION["content"], config, streamed)
         assert first.final_output == ANSWER
         again = [*first.to_input_list(), {"role": "user", "content": "And tomorrow?"}]
-        second = await Runner.run(assistant, again, run_config=config)  # type: ignore[arg-type]
+        second = await run(assistant, again, config, streamed)
         assert second.final_output == ANSWER
     assert cities == ["Paris", "Paris"]
     episode = await stored_exactly(agent_service, agent_sim[0], agent, calls=4)

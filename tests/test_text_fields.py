@@ -1,7 +1,8 @@
 """Every text field of every operation in openapi.yaml, sent a NUL and a lone surrogate, on both
 databases: the answer is a 4xx naming the field, or the request is taken and the value reads back
-intact. Never a 5xx, and never an answer that differs between SQLite and PostgreSQL (PostgreSQL's
-text cannot hold NUL; no database can encode a lone surrogate).
+intact (or, where it is not stored, is echoed or sent on intact). Never a 5xx, and never an answer
+that differs between SQLite and PostgreSQL (PostgreSQL's text cannot hold NUL; no database can
+encode a lone surrogate).
 
 The fields come from the contract, so a field added later is covered or this test names it: each
 operation has example requests here, and together they must hold a string at every place the
@@ -180,8 +181,8 @@ BODIES: dict[str, list[dict[str, Any]]] = {
                 {
                     "role": "assistant",
                     "content": [
-                        {"type": "thinking", "thinking": "Look it up.", "signature": "s"},
-                        {"type": "redacted_thinking", "data": "x"},
+                        {"type": "thinking", "thinking": "Look it up."},
+                        {"type": "redacted_thinking"},
                         {"type": "text", "text": "Looking."},
                         {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"word": "x"}},
                     ],
@@ -206,7 +207,7 @@ BODIES: dict[str, list[dict[str, Any]]] = {
                     "input_schema": TOOL["function"]["parameters"],  # type: ignore[index]
                 }
             ],
-            "tool_choice": {"type": "tool", "name": "lookup"},
+            "tool_choice": {"type": "tool"},
             "thinking": {"type": "enabled", "budget_tokens": 1024},
             "stop_sequences": ["x"],
         },
@@ -238,11 +239,7 @@ BODIES: dict[str, list[dict[str, Any]]] = {
                     "role": "user",
                     "content": [{"type": "input_text", "text": "What is a word?"}],
                 },
-                {
-                    "type": "reasoning",
-                    "summary": [{"type": "summary_text", "text": "Look it up."}],
-                    "content": [{"type": "reasoning_text", "text": "Look it up."}],
-                },
+                {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Look it up."}]},
                 {
                     "type": "message",
                     "role": "assistant",
@@ -273,12 +270,14 @@ BODIES: dict[str, list[dict[str, Any]]] = {
         {
             "input": [
                 {"role": "user", "content": "Hi"},
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Greet."}]},
                 {"type": "function_call_output", "call_id": "c", "output": "x"},
             ],
             "tool_choice": "auto",
             "max_output_tokens": 8,
         },
-        {"input": "Hi", "previous_response_id": "resp_0", "max_output_tokens": 8},
+        {"input": "Hi", "max_output_tokens": 8},
+        {"input": [], "previous_response_id": "resp_0", "max_output_tokens": 8},  # no other text: refused
     ],
     "POST /v1/episodes/{episode_id}/finish": [
         {"status": "completed", "reward": 1.0, "info": {"note": "x", "list": ["y"]}, "error": "x"},
@@ -370,7 +369,10 @@ def assert_refused_naming(response: httpx.Response, field: Path_, where: str) ->
 
 
 @pytest.mark.parametrize("text", [NUL, SURROGATE], ids=["nul", "lone-surrogate"])
-async def test_every_body_text_is_refused_or_reads_back(http: httpx.AsyncClient, text: str) -> None:
+async def test_every_body_text_is_refused_or_reads_back(
+    http: httpx.AsyncClient, sim: tuple[SimWorker, str], text: str
+) -> None:
+    engine = sim[0]
     accepted = []
     for label, bodies in BODIES.items():
         method, route = label.split(" ", 1)
@@ -395,7 +397,14 @@ async def test_every_body_text_is_refused_or_reads_back(http: httpx.AsyncClient,
                 if label == "POST /engine/pause":
                     await http.post("/engine/continue")
                     continue
-                texts = await read_back(http, batch_id, episode_id)
+                # Stored and read back; or, not stored, echoed in the answer (an agent's `model`) or
+                # sent to the engine as given (an agent's `stop`).
+                sent_to_engine = [text for request in engine.requests for text in texts_in(request.body)]
+                texts = [
+                    *texts_in(response.json()),
+                    *await read_back(http, batch_id, episode_id),
+                    *sent_to_engine,
+                ]
                 assert any(text in stored for stored in texts), (label, leaf, "taken but not read back")
                 accepted.append((label, leaf))
     if text == SURROGATE:

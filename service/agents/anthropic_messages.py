@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.agents.conversation import Answer, ChatCall
 from service.agents.deps import EngineFailed, WaitingEpisode, http_errors, protocol_errors
@@ -67,18 +67,19 @@ class TextBlock(BaseModel):
 
 
 class ThinkingBlock(BaseModel):
-    """The model's reasoning, as this service returned it: accepted back, its tokens are the sampled ones."""
+    """The model's reasoning, as this service returned it: accepted back (its `signature` too, not
+    read), its tokens are the sampled ones."""
 
     model_config = _BLOCK
     type: Literal["thinking"]
     thinking: Text
-    signature: Text | None = None
 
 
 class RedactedThinkingBlock(BaseModel):
+    """Accepted and left out (its `data` is not read): the model's tokens are the sampled ones."""
+
     model_config = _BLOCK
     type: Literal["redacted_thinking"]
-    data: Text
 
 
 class ToolUseBlock(BaseModel):
@@ -123,24 +124,29 @@ class Tool(BaseModel):
     description: Text | None = None
     input_schema: Json | None = None
 
-    @model_validator(mode="after")
-    def _client_tool(self) -> Tool:
-        if self.type not in (None, "custom"):
+    @field_validator("type")
+    @classmethod
+    def _client_tool(cls, kind: str | None) -> str | None:
+        if kind not in (None, "custom"):
             raise ValueError(
-                f"{self.type} is one of Anthropic's server tools, which this service does not run: "
+                f"{kind} is one of Anthropic's server tools, which this service does not run: "
                 "send client tools (name, description, input_schema) and run them in the agent"
             )
+        return kind
+
+    @model_validator(mode="after")
+    def _with_schema(self) -> Tool:
         if self.input_schema is None:
             raise ValueError("a client tool needs its input_schema")
         return self
 
 
 class ToolChoice(BaseModel):
-    """Accepted; the policy being trained decides whether and which tool it calls."""
+    """Accepted (a tool's `name` too, not read); the policy being trained decides whether and which
+    tool it calls."""
 
     model_config = _BLOCK
     type: Literal["auto", "any", "tool", "none"]
-    name: Text | None = None
     disable_parallel_tool_use: bool | None = None
 
 

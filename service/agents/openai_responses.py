@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from fastapi import APIRouter
 from fastapi.responses import Response, StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.agents.conversation import Answer, ChatCall
 from service.agents.deps import EngineFailed, WaitingEpisode, http_errors, openai_error, protocol_errors
@@ -103,13 +103,18 @@ class FunctionTool(BaseModel):
     parameters: Annotated[dict[str, Any], AfterValidator(storable_json)] | None = None
     strict: bool | None = None
 
-    @model_validator(mode="after")
-    def _function_tool(self) -> FunctionTool:
-        if self.type != "function":
+    @field_validator("type")
+    @classmethod
+    def _function_tool(cls, kind: str) -> str:
+        if kind != "function":
             raise ValueError(
-                f"{self.type} is one of OpenAI's built-in tools, which this service does not run: send "
+                f"{kind} is one of OpenAI's built-in tools, which this service does not run: send "
                 "function tools (name, description, parameters) and run them in the agent"
             )
+        return kind
+
+    @model_validator(mode="after")
+    def _named(self) -> FunctionTool:
         if self.name is None:
             raise ValueError("a function tool needs its name")
         return self

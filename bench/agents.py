@@ -1,8 +1,9 @@
-"""External agents: thousands of OpenAI-API agents in flight through their episodes' endpoints.
+"""External agents: thousands of agents in flight through their episodes' endpoints, speaking chat
+completions, Anthropic's Messages or OpenAI's Responses (`--protocol`).
 
 `python -m service serve` and the simulated SGLang worker each run in their own process. One batch
 of N `external` episodes is opened; N agents (raw httpx sending what the `openai` package sends,
-sharing one connection pool, in this process) each make `--calls` chat completions, extending their
+sharing one connection pool, in this process) each make `--calls` calls, extending their
 conversation every time, then finish. Meanwhile /health is probed. Measured: calls/s, the service's
 CPU per call against a bare client's CPU per /generate call to the same worker (the HTTP call we
 exist to make), the overhead a call adds to the engine's latency, errors, and what was stored
@@ -10,6 +11,7 @@ exist to make), the overhead a call adds to the engine's latency, errors, and wh
 
 Run from the repo root:
     .venv/bin/python bench/agents.py [--agents 2000] [--calls 3] [--latency 0.5] [--database sqlite]
+        [--protocol chat|messages|responses]
 The last line of output is one JSON object.
 """
 
@@ -51,26 +53,70 @@ GOAL = (
 )
 
 
+def chat_request(history: list[Any], call: int) -> tuple[str, dict[str, Any]]:
+    return "/chat/completions", {"model": "policy", "messages": history, "max_tokens": 64}
+
+
+def chat_reply(answer: dict[str, Any]) -> list[Any]:
+    return [answer["choices"][0]["message"]]
+
+
+def messages_request(history: list[Any], call: int) -> tuple[str, dict[str, Any]]:
+    body = {"model": "policy", "system": SYSTEM["content"], "messages": history[1:], "max_tokens": 64}
+    return "/messages", body
+
+
+def messages_reply(answer: dict[str, Any]) -> list[Any]:
+    return [{"role": "assistant", "content": answer["content"]}]
+
+
+def responses_request(history: list[Any], call: int) -> tuple[str, dict[str, Any]]:
+    body = {
+        "model": "policy",
+        "instructions": SYSTEM["content"],
+        "input": history[1:],
+        "max_output_tokens": 64,
+    }
+    return "/responses", body
+
+
+def responses_reply(answer: dict[str, Any]) -> list[Any]:
+    return list(answer["output"])
+
+
+# What each protocol's client sends and appends to its history (the history starts with SYSTEM).
+PROTOCOLS = {
+    "chat": (chat_request, chat_reply),
+    "messages": (messages_request, messages_reply),
+    "responses": (responses_request, responses_reply),
+}
+
+
 async def agent(
-    session: aiohttp.ClientSession, endpoint: dict[str, Any], calls: int, latencies: list[float]
+    session: aiohttp.ClientSession,
+    endpoint: dict[str, Any],
+    calls: int,
+    latencies: list[float],
+    protocol: str = "chat",
 ) -> str:
-    """One agent: what the `openai` package sends and reads (tests/test_agents.py drives the
-    package itself), on a plain aiohttp session, so that the bench's own CPU does not limit the
-    service's."""
+    """One agent: what the `openai` (or `anthropic`) package sends and reads (tests/test_agents*.py
+    drive the packages themselves), on a plain aiohttp session, so that the bench's own CPU does
+    not limit the service's."""
+    request, reply = PROTOCOLS[protocol]
     headers = {"Authorization": f"Bearer {endpoint['api_key']}", "Content-Type": "application/json"}
-    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "Where is my order #W1001?"}]
+    history: list[Any] = [SYSTEM, {"role": "user", "content": "Where is my order #W1001?"}]
     try:
         for call in range(calls):
             started = time.perf_counter()
-            body = orjson.dumps({"model": "policy", "messages": messages, "max_tokens": 64})
+            path, body = request(history, call)
             async with session.post(
-                f"{endpoint['base_url']}/chat/completions", data=body, headers=headers
+                f"{endpoint['base_url']}{path}", data=orjson.dumps(body), headers=headers
             ) as answer:
                 answer.raise_for_status()
                 content = await answer.read()
             latencies.append(time.perf_counter() - started)
-            messages.append(orjson.loads(content)["choices"][0]["message"])
-            messages.append({"role": "user", "content": f"Thanks. And then ({call})?"})
+            history += reply(orjson.loads(content))
+            history.append({"role": "user", "content": f"Thanks. And then ({call})?"})
         finish = orjson.dumps({"reward": 1.0})
         async with session.post(f"{endpoint['base_url']}/finish", data=finish, headers=headers) as finished:
             finished.raise_for_status()
@@ -117,7 +163,7 @@ async def drive(url: str, service_pid: int, sim_url: str, args: argparse.Namespa
             connector=connector, timeout=aiohttp.ClientTimeout(total=600)
         ) as session:
             outcomes = await asyncio.gather(
-                *(agent(session, endpoint, args.calls, latencies) for endpoint in endpoints)
+                *(agent(session, endpoint, args.calls, latencies, args.protocol) for endpoint in endpoints)
             )
         wall, cpu = time.perf_counter() - started, cpu_seconds_of(service_pid) - cpu_before
         health_figures = health.stats()
@@ -152,6 +198,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--calls", type=int, default=3, help="chat completions per agent")
     parser.add_argument("--latency", type=float, default=0.5, help="the simulated engine's seconds per call")
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument(
+        "--protocol", choices=sorted(PROTOCOLS), default="chat",
+        help="chat completions, Anthropic's messages or OpenAI's responses",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, sim_worker(args.latency, Path(tmp)) as (sim_url, _):
         with fresh_database(args.database, Path(tmp), migrate=True) as database_url:
@@ -180,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "bench": "agents",
         "database": args.database,
+        "protocol": args.protocol,
         "agents": args.agents,
         "calls_per_agent": args.calls,
         "latency_s": args.latency,

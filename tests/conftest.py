@@ -38,6 +38,7 @@ from service.config import Settings
 from service.serving import serve_app
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.storage.db import Database, run_migrations
+from tests.support.agents import weather_policy
 from tests.support.settings import TEST_SETTINGS
 
 POSTGRES_ADMIN_URL = os.environ.get(
@@ -172,6 +173,24 @@ def sim() -> Iterator[tuple[SimWorker, str]]:
     worker = SimWorker(SimConfig(latency_seconds=0.01))
     with serve_in_thread(create_sim_app(worker.config, worker=worker)) as url:
         yield worker, url
+
+
+@pytest.fixture
+def agent_sim() -> Iterator[tuple[SimWorker, str]]:
+    """A simulated SGLang worker whose policy plays the weather agent (tests/support/agents.py)."""
+    worker = SimWorker(SimConfig(latency_seconds=0.01, policy=weather_policy))
+    with serve_in_thread(create_sim_app(worker.config, worker=worker)) as url:
+        yield worker, url
+
+
+@pytest.fixture
+async def agent_service(
+    database_url: str, agent_sim: tuple[SimWorker, str]
+) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client of the service, whose external agents the weather policy answers."""
+    app = create_app(service_settings(database_url, agent_sim[1], external_idle_seconds=600))
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        yield http
 
 
 def service_settings(database_url: str, sglang_url: str, **overrides: object) -> Settings:

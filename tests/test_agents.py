@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,67 +20,17 @@ from service.agents.repository import AgentEpisode, StoredCall
 from service.agents.service import HeldEpisodes
 from service.app import create_app
 from service.serving import serve_app
-from service.sim.worker import SimConfig, SimRequest, SimWorker, create_sim_app, serve_in_thread
+from service.sim.worker import SimRequest, SimWorker
 from service.storage.blobs import TOKEN_BLOBS
 from tests.conftest import service_settings
+from tests.support.agents import ANSWER, QUESTION, SYSTEM, TOOLS, finish, open_episodes
 from tests.support.contract import GenerateCall, assert_tokens_match_calls, generate_call, sim_calls
 from tests.support.tokenizer import load_test_tokenizer
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
-CALL = (
-    "<think>The user wants the weather.</think>\n"
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-)
-ANSWER = "It is sunny in Paris."
-SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
-QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
-
-
-def weather_policy(prompt: str, key: str) -> str:
-    """Calls the tool until a tool response is in the prompt, then answers."""
-    return ANSWER if "<tool_response>" in prompt.rsplit("<|im_start|>user", 1)[-1] else CALL
-
 
 @pytest.fixture
-def agent_sim() -> Iterator[tuple[SimWorker, str]]:
-    worker = SimWorker(SimConfig(latency_seconds=0.01, policy=weather_policy))
-    with serve_in_thread(create_sim_app(worker.config, worker=worker)) as url:
-        yield worker, url
-
-
-@pytest.fixture
-async def service(database_url: str, agent_sim: tuple[SimWorker, str]) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(service_settings(database_url, agent_sim[1], external_idle_seconds=600))
-    async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
-        yield http
-
-
-async def open_episodes(http: httpx.AsyncClient, samples: int = 1, **extra: Any) -> list[dict[str, Any]]:
-    body = {
-        "env": "external",
-        "task_split": "weather",
-        "task_indices": [7],
-        "samples_per_task": samples,
-        **extra,
-    }
-    response = await http.post("/episodes", json=body)
-    assert response.status_code == 202, response.text
-    agents: list[dict[str, Any]] = response.json()["agents"]
-    assert [agent["episode_id"] for agent in agents] == response.json()["episode_ids"]
-    return agents
+def service(agent_service: httpx.AsyncClient) -> httpx.AsyncClient:
+    return agent_service
 
 
 def agent_client(agent: dict[str, Any]) -> openai.AsyncOpenAI:
@@ -135,14 +84,6 @@ async def converse(llm: openai.AsyncOpenAI, stream: bool) -> list[dict[str, Any]
         messages.append(as_history(second.choices[0].message))
     assert text == ANSWER
     return messages
-
-
-async def finish(http: httpx.AsyncClient, agent: dict[str, Any], **body: Any) -> httpx.Response:
-    return await http.post(
-        f"/v1/episodes/{agent['episode_id']}/finish",
-        json=body,
-        headers={"Authorization": f"Bearer {agent['api_key']}"},
-    )
 
 
 def segment_calls(sim: SimWorker, episode: dict[str, Any], turns: list[dict[str, Any]]) -> list[GenerateCall]:
@@ -264,6 +205,8 @@ async def test_finished_and_idle_episodes_take_no_more_calls(
             ("body", "status"),
             ("body", "reward"),
         }
+        async with agent_client(done) as llm:  # a played episode: its status is the agent's
+            await llm.chat.completions.create(model="policy", messages=[QUESTION])  # type: ignore[list-item]
         assert (await finish(http, done, status="truncated", reward=0.0)).status_code == 200
         assert (await finish(http, done, reward=1.0)).status_code == 409
         async with agent_client(done) as llm:
@@ -361,3 +304,20 @@ def test_held_episodes_are_bounded_by_their_token_bytes() -> None:
     cache.pop("a")
     cache.pop("a")
     assert cache.bytes == 0
+
+
+async def test_an_episode_finished_before_any_call_ends_failed(
+    agent_service: httpx.AsyncClient,
+) -> None:
+    """A finish before the first call is no sample: it ends `failed` (trainers skip it) whatever
+    status the agent gave, unless it said `aborted` or `failed` itself; its group still completes."""
+    unplayed, aborted = await open_episodes(agent_service, samples=2)
+    answer = await finish(agent_service, unplayed, reward=1.0)
+    assert answer.status_code == 200 and answer.json()["status"] == "failed"
+    assert (await finish(agent_service, aborted, status="aborted", error="no sandbox")).json()[
+        "status"
+    ] == "aborted"
+    episode = (await agent_service.get(f"/episodes/{unplayed['episode_id']}")).json()
+    assert episode["status"] == "failed" and "before its first call" in episode["error"]
+    batch = (await agent_service.get(f"/batches/{episode['batch_id']}")).json()
+    assert batch["complete"] and batch["counts"]["failed"] == 1 and batch["counts"]["aborted"] == 1

@@ -171,13 +171,14 @@ def test_viewer_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(result["runs"]["token_view"]) == 1
 
 
-def test_agents_quick(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("protocol", ["chat", "messages", "responses"])
+def test_agents_quick(capsys: pytest.CaptureFixture[str], protocol: str) -> None:
     bench = load_bench("agents")
-    returned = bench.main(["--agents", "4", "--calls", "2", "--latency", "0.02"])
+    returned = bench.main(["--agents", "4", "--calls", "2", "--latency", "0.02", "--protocol", protocol])
     result = last_json_line(capsys.readouterr().out)
     assert result == json.loads(json.dumps(returned))
     assert result["outcomes"] == {"ok": 4} and result["stored"] == {"completed, 2 calls": 4}
-    assert result["complete"] and result["segments_of_first"] == 1
+    assert result["complete"] and result["segments_of_first"] == 1 and result["protocol"] == protocol
     assert_positive(result, "calls_per_s", "service_cpu_ms_per_call", "bare_client_cpu_ms_per_call")
 
 

@@ -284,6 +284,20 @@ async def test_max_new_tokens_and_stop_token_ids(sim: tuple[SimWorker, httpx.Asy
     assert stopped["output_ids"].count(newline) == 1
 
 
+async def test_a_stop_string_ends_the_output_at_the_token_completing_it(
+    sim: tuple[SimWorker, httpx.AsyncClient],
+) -> None:
+    _, http = sim
+    ids = prompt_ids(first_messages())
+    full = (await generate(http, body_for(ids, "s:0:0")))["output_ids"]
+    stop = tokenizer().decode(full)[10:14]
+    stopped = await generate(http, body_for(ids, "s:0:0", stop=["never said", stop]))
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    output = stopped["output_ids"]
+    assert output == full[: len(output)] and stop in tokenizer().decode(output)
+    assert stop not in tokenizer().decode(output[:-1])
+
+
 async def test_text_input_is_accepted(sim: tuple[SimWorker, httpx.AsyncClient]) -> None:
     worker, http = sim
     result = await generate(http, {"text": "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"})

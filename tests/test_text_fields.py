@@ -36,7 +36,7 @@ NUL, SURROGATE = "a\x00b", "a\ud800b"
 URL_FORMS = {NUL: quote(NUL), SURROGATE: "a%ED%A0%80b"}
 ITEM, ANY_KEY = "[]", "{}"  # a path's list item and free-form object key
 # Header parameters: HTTP cannot carry a NUL in a header, and h11 refuses one.
-HEADERS = {"accept", "authorization"}
+HEADERS = {"accept", "authorization", "x-api-key"}
 
 Path_ = tuple[str | int, ...]
 
@@ -170,6 +170,114 @@ BODIES: dict[str, list[dict[str, Any]]] = {
             "max_tokens": 8,
         },
         {"messages": [{"role": "user", "content": "Hi"}], "stop": "x", "max_tokens": 8},
+    ],
+    "POST /v1/episodes/{episode_id}/messages": [
+        {
+            "model": "policy",
+            "max_tokens": 8,
+            "system": [{"type": "text", "text": "You look words up."}],
+            "messages": [
+                {"role": "user", "content": "What is a word?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "Look it up."},
+                        {"type": "redacted_thinking"},
+                        {"type": "text", "text": "Looking."},
+                        {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"word": "x"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": [{"type": "text", "text": "A unit."}],
+                        },
+                        {"type": "text", "text": "Thanks."},
+                    ],
+                },
+            ],
+            "tools": [
+                {
+                    "type": "custom",
+                    "name": "lookup",
+                    "description": "Looks a word up.",
+                    "input_schema": TOOL["function"]["parameters"],  # type: ignore[index]
+                }
+            ],
+            "tool_choice": {"type": "tool"},
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "stop_sequences": ["x"],
+        },
+        {
+            "max_tokens": 8,
+            "system": "Be brief.",
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t", "name": "lookup", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t", "content": '{"a": 1}', "is_error": True}
+                    ],
+                },
+            ],
+        },
+    ],
+    "POST /v1/episodes/{episode_id}/responses": [
+        {
+            "model": "policy",
+            "instructions": "You look words up.",
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "What is a word?"}],
+                },
+                {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [
+                        {"type": "output_text", "text": "Looking."},
+                        {"type": "refusal", "refusal": "No."},
+                    ],
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "call_1",
+                    "name": "lookup",
+                    "arguments": '{"word": "x"}',
+                },
+                {
+                    "type": "function_call_output",
+                    "call_id": "call_1",
+                    "output": [
+                        {"type": "input_text", "text": "A unit."},
+                        {"type": "refusal", "refusal": "x"},
+                    ],
+                },
+            ],
+            "tools": [{"type": "function", **TOOL["function"]}],  # type: ignore[dict-item]
+            "tool_choice": {"type": "function", "name": "lookup"},
+            "max_output_tokens": 8,
+        },
+        {
+            "input": [
+                {"role": "user", "content": "Hi"},
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Greet."}]},
+                {"type": "function_call_output", "call_id": "c", "output": "x"},
+            ],
+            "tool_choice": "auto",
+            "max_output_tokens": 8,
+        },
+        {"input": "Hi", "max_output_tokens": 8},
+        {"input": [], "previous_response_id": "resp_0", "max_output_tokens": 8},  # no other text: refused
     ],
     "POST /v1/episodes/{episode_id}/finish": [
         {"status": "completed", "reward": 1.0, "info": {"note": "x", "list": ["y"]}, "error": "x"},

@@ -3,6 +3,8 @@ recorded with the same exactness as the service's own loop.
 
     routes.py            the router: each protocol's, and POST .../finish (every agent's)
     chat_completions.py  OpenAI Chat Completions: its request, response, stream and route
+    anthropic_messages.py  Anthropic Messages (blocks, thinking, its events and error shape)
+    openai_responses.py  OpenAI Responses (items, previous_response_id, its events)
     deps.py              the HTTP edge: the episode a request opens (its token checked), and the
                          one table of the domain's errors as HTTP errors
     schemas.py           the bodies every protocol shares (finish)
@@ -15,7 +17,7 @@ recorded with the same exactness as the service's own loop.
 Only routes.py, deps.py, schemas.py and the protocol modules import service.api; the rest imports
 nothing above loop, engine and storage, and storage imports nothing of this package.
 
-Another protocol (Anthropic Messages, OpenAI Responses) is one module beside chat_completions.py:
+Another protocol is one module beside chat_completions.py:
 its request model turned into a `ChatCall` (messages in the chat-template shape the conversation
 records), its route (`WaitingEpisode`, then `services.agents.complete` inside `with http_errors`), and
 its response built from the `Answer`'s fields; then one `router.include_router(...)` line in

@@ -15,12 +15,12 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from service.agents.conversation import Answer, ChatCall
-from service.agents.deps import EngineFailed, WaitingEpisode, http_errors
+from service.agents.deps import EngineFailed, WaitingEpisode, http_errors, openai_error, protocol_errors
 from service.api.deps import ServicesDep
 from service.api.errors import Conflict, DatabaseUnavailable, InvalidRequest, NotFound, responses
 from service.api.values import Text, storable_json
 
-router = APIRouter()  # tagged by routes.py
+router = APIRouter(route_class=protocol_errors(openai_error))  # tagged by routes.py
 SSE_MEDIA_TYPE = "text/event-stream"
 
 # The agent's sampling parameters that map onto SGLang's; the trainer's (POST /episodes) win.

@@ -25,6 +25,9 @@ class ChatCall:
     tools: list[dict[str, Any]] | None  # OpenAI's function tools
     sampling: dict[str, Any]  # the agent's, as SGLang names them
     max_tokens: int | None
+    # The earlier call whose conversation `messages` continue (Responses' previous_response_id):
+    # `messages` are then only what follows it, and a system message first replaces that call's.
+    previous_call: int | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class Answer:
     reasoning: str | None  # the model's thinking, without its tags
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: FinishReason = "stop"
+    call: int = 0  # the episode's call this answers (0, 1, ...)
+    stop_sequence: str | None = None  # the agent's stop string that ended the answer, if one did
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -134,3 +139,32 @@ def continuation(
     if [message_key(message) for message in messages[: len(recorded)]] != recorded:
         return None
     return new
+
+
+def after_previous(segment: Segment | None, call: ChatCall) -> list[dict[str, Any]] | None:
+    """The whole conversation of a call that continues an earlier one (`previous_call`): that
+    call's messages and answer (as `segment` recorded them), then the call's; a system message the
+    call opens with takes the earlier one's place. None unless the earlier call is the segment's last."""
+    if segment is None or not segment.turns or segment.turns[-1].get("turn") != call.previous_call:
+        return None
+    earlier = segment.messages[1:]
+    new = call.messages
+    if new and new[0].get("role") == "system":
+        earlier = earlier[1:] if earlier and earlier[0].get("role") == "system" else earlier
+        return [new[0], *earlier, *new[1:]]
+    return [*earlier, *new]
+
+
+def named_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each tool result named by the call it answers (when the agent did not
+    name it), so that every transcript says which tool a result came from."""
+    names: dict[Any, Any] = {}
+    named = []
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                names[call.get("id")] = call["function"].get("name")
+        if message.get("role") == "tool" and "name" not in message and names.get(message.get("tool_call_id")):
+            message = {**message, "name": names[message.get("tool_call_id")]}
+        named.append(message)
+    return named

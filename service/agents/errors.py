@@ -23,3 +23,7 @@ class EngineRefused(AgentError):
 
 class EngineUnavailable(AgentError):
     """The engine failed or aborted the call."""
+
+
+class UnknownResponse(AgentError):
+    """The call continues an earlier one that is not the episode's latest answer."""

@@ -195,6 +195,9 @@ async def store_call(
     return StoredCall(after, columns)
 
 
+UNPLAYED = "finished before its first call: an episode the model never played is no sample"
+
+
 async def finish_agent_episode(
     database: Database,
     episode_id: str,
@@ -202,13 +205,17 @@ async def finish_agent_episode(
     reward: float | None,
     info: dict[str, Any],
     error: str | None,
-) -> tuple[str, int] | None:
-    """Ends a waiting external episode as its agent says; returns its (batch id, group index), or
-    None when it is not waiting (finished, cancelled, timed out)."""
+) -> tuple[tuple[str, int], EpisodeStatus] | None:
+    """Ends a waiting external episode as its agent says, unless it made no call: then it ends
+    `failed` (a `completed` or `truncated` row without tokens would reach trainers). Returns its
+    (batch id, group index) and the status it ended with, or None when it is not waiting
+    (finished, cancelled, timed out)."""
     async with database.writer.begin() as session:
-        row = await _waiting_row(session, episode_id)
+        row = await _waiting_row(session, episode_id)  # locked: no call stores meanwhile
         if row is None:
             return None
+        if not row.num_turns and status in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED):
+            status, error = EpisodeStatus.FAILED, error or UNPLAYED
         row.status = status.value
         row.reward = reward
         row.info = {**(row.info or {}), **info}
@@ -216,7 +223,7 @@ async def finish_agent_episode(
         row.lease_owner = None
         row.lease_expires_at = None
         row.finished_at = utcnow()
-        return row.batch_id, row.group_index
+        return (row.batch_id, row.group_index), status
 
 
 async def _waiting_row(session: AsyncSession, episode_id: str) -> Episode | None:

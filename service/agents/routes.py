@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.agents import chat_completions
+from service.agents import anthropic_messages, chat_completions, openai_responses
 from service.agents.deps import WaitingEpisode, http_errors
 from service.agents.schemas import FinishedOut, FinishEpisode
 from service.api.deps import ServicesDep
@@ -13,6 +13,8 @@ from service.records import EpisodeStatus
 
 router = APIRouter(tags=["agents"])
 router.include_router(chat_completions.router)  # a protocol: one module, one line here
+router.include_router(anthropic_messages.router)
+router.include_router(openai_responses.router)
 
 
 @router.post(
@@ -22,9 +24,12 @@ router.include_router(chat_completions.router)  # a protocol: one module, one li
     responses=responses(NotFound, Conflict, DatabaseUnavailable),
 )
 async def finish(body: FinishEpisode, services: ServicesDep, episode: WaitingEpisode) -> FinishedOut:
-    """Ends the episode with the agent's reward, info and status; its group may be complete now."""
-    status = EpisodeStatus(body.status)
+    """Ends the episode with the agent's reward, info and status; its group may be complete now.
+    An episode that made no call ends `failed` instead of `completed` or `truncated` (the answer's
+    `status` says so): the model never played it, so it is no sample."""
     with http_errors:
-        ended = await services.agents.finish(episode.episode_id, status, body.reward, body.info, body.error)
-    services.endings.agent_finished(ended, status)
-    return FinishedOut(episode_id=episode.episode_id, status=body.status)
+        group, status = await services.agents.finish(
+            episode.episode_id, EpisodeStatus(body.status), body.reward, body.info, body.error
+        )
+    services.endings.agent_finished(group, status)
+    return FinishedOut(episode_id=episode.episode_id, status=status.value)

@@ -129,9 +129,9 @@ class AgentSessions:
         reward: float | None,
         info: dict[str, Any],
         error: str | None,
-    ) -> tuple[str, int]:
-        """Ends the episode as its agent says; returns its (batch id, group index). Raises
-        EpisodeClosed when it already ended."""
+    ) -> tuple[tuple[str, int], EpisodeStatus]:
+        """Ends the episode as its agent says (`failed` if it made no call); returns its (batch id,
+        group index) and the status it ended with. Raises EpisodeClosed when it already ended."""
         ended = await finish_agent_episode(self.database, episode_id, status, reward, info, error)
         self.held.pop(episode_id)
         if ended is None:

@@ -11,11 +11,19 @@ shares the episode. Never a mask on tokens the model did not sample.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from service.agents.conversation import Answer, ChatCall, ToolCall, continuation, template_message
-from service.agents.errors import EngineRefused, EngineUnavailable, EpisodeClosed
+from service.agents.conversation import (
+    Answer,
+    ChatCall,
+    ToolCall,
+    after_previous,
+    continuation,
+    named_tool_results,
+    template_message,
+)
+from service.agents.errors import EngineRefused, EngineUnavailable, EpisodeClosed, UnknownResponse
 from service.agents.repository import AgentEpisode, Segment
 from service.engine.client import EngineError, EngineRequestError, Generation
 from service.loop.runner import Engine, sample_turn
@@ -86,6 +94,15 @@ class AgentTurns:
         call's own copy); raises EpisodeClosed, EngineRefused or EngineUnavailable."""
         if episode.calls >= episode.max_turns:
             raise EpisodeClosed(f"the episode made its max_turns ({episode.max_turns}) calls")
+        if call.previous_call is not None:
+            messages = after_previous(episode.last, call)
+            if messages is None:
+                raise UnknownResponse(
+                    f"call {call.previous_call} is not the episode's latest answer: only that one is "
+                    "continued; send the whole conversation instead"
+                )
+            call = replace(call, messages=messages, previous_call=None)
+        call = replace(call, messages=named_tool_results(call.messages))
         segment, closed, context = self._segment_for(episode, call)
         tokens = segment.tokens
         trajectory = Trajectory(  # grows copies: a call that fails leaves the segment as it was
@@ -131,6 +148,10 @@ class AgentTurns:
     ) -> Answer:
         """The sampled ids as an answer: visible text, reasoning, tool calls, finish reason."""
         text = self.chat.sampled_text(sampled)
+        matched = generation.finish_reason.get("matched")  # SGLang's: a stop string, or a stop token's id
+        stop_sequence = matched if isinstance(matched, str) else None
+        if stop_sequence and stop_sequence in text:  # the text ends before it, as OpenAI's and Anthropic's
+            text = text[: text.index(stop_sequence)]
         visible = strip_reasoning(text)
         reasoning = text[: len(text) - len(visible)].replace("<think>", "").replace("</think>", "").strip()
         try:
@@ -146,6 +167,7 @@ class AgentTurns:
                     for index, action in enumerate(parsed.actions)
                 ],
                 finish_reason="tool_calls",
+                call=call,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=len(sampled),
             )
@@ -153,6 +175,8 @@ class AgentTurns:
             content=visible.strip(),
             reasoning=reasoning or None,
             finish_reason="length" if generation.finish_type == "length" else "stop",
+            stop_sequence=stop_sequence,
+            call=call,
             prompt_tokens=prompt_tokens,
             completion_tokens=len(sampled),
         )

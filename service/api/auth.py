@@ -17,10 +17,13 @@ def bearer_key(authorization: bytes) -> bytes | None:
 
 
 def authorized(authorization: bytes, keys: Sequence[bytes]) -> bool:
-    """Whether the header carries one of `keys`: compared against every key, without an early
-    exit, in constant time per key."""
+    """Whether the header carries one of `keys`."""
     key = bearer_key(authorization)
-    if key is None:
-        return False
+    return key is not None and is_one_of(key, keys)
+
+
+def is_one_of(key: bytes, keys: Sequence[bytes]) -> bool:
+    """Whether `key` is one of `keys`: compared against every key, without an early exit, in
+    constant time per key."""
     matches = [hmac.compare_digest(key, candidate) for candidate in keys]
     return any(matches)

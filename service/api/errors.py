@@ -133,10 +133,14 @@ def responses(*errors: type[ServiceError]) -> dict[int | str, dict[str, Any]]:
     return documented
 
 
-def error_response(error: ServiceError) -> JSONResponse:
+def error_headers(error: ServiceError) -> dict[str, str]:
     headers = {"WWW-Authenticate": "Bearer"} if isinstance(error, Unauthorized) else {}
     if error.retry_after_seconds is not None:
         headers["Retry-After"] = str(error.retry_after_seconds)
+    return headers
+
+
+def error_body(error: ServiceError) -> ErrorBody:
     problems = [
         FieldError(
             # A key of the request may hold a lone surrogate, which no JSON answer can encode.
@@ -146,8 +150,13 @@ def error_response(error: ServiceError) -> JSONResponse:
         )
         for problem in error.errors
     ]
-    body = ErrorBody(detail=escaped(error.detail), errors=problems)
-    return JSONResponse(body.model_dump(), status_code=error.status_code, headers=headers)
+    return ErrorBody(detail=escaped(error.detail), errors=problems)
+
+
+def error_response(error: ServiceError) -> JSONResponse:
+    return JSONResponse(
+        error_body(error).model_dump(), status_code=error.status_code, headers=error_headers(error)
+    )
 
 
 def _validation_message(item: dict[str, Any]) -> str:
@@ -175,14 +184,19 @@ async def _handle_service_error(request: Request, error: Exception) -> JSONRespo
     return error_response(error)
 
 
-async def _handle_validation_error(request: Request, error: Exception) -> JSONResponse:
-    assert isinstance(error, RequestValidationError)
+def invalid_request(error: RequestValidationError) -> InvalidRequest:
+    """FastAPI's validation error as the service's, each problem named by its field."""
     problems = [
         {"loc": list(item["loc"]), "msg": _validation_message(item), "type": item["type"]}
         for item in error.errors()
     ]
     summary = "; ".join(f"{_where(item)}: {item['msg']}" for item in problems)
-    return error_response(InvalidRequest(summary, problems))
+    return InvalidRequest(summary, problems)
+
+
+async def _handle_validation_error(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, RequestValidationError)
+    return error_response(invalid_request(error))
 
 
 def _where(problem: dict[str, Any]) -> str:
@@ -221,6 +235,23 @@ async def _handle_unexpected(request: Request, error: Exception) -> JSONResponse
     """Whatever else escaped, middleware included. The server logs its traceback (Starlette raises
     it on after this answer), so it is not logged here."""
     return error_response(_failure(request, error))
+
+
+def as_service_error(request: Request, error: Exception) -> ServiceError | None:
+    """`error` as the service's error, as the handlers below answer it (for a route that renders
+    errors in its protocol's shape); None for what they answer otherwise (Starlette's own HTTP
+    errors)."""
+    if isinstance(error, ServiceError):
+        return error
+    if isinstance(error, RequestValidationError):
+        return invalid_request(error)
+    if isinstance(error, StarletteHTTPException):
+        cause = error.__cause__
+        return _unparseable(cause) if error.status_code == 400 and cause is not None else None
+    failure = _failure(request, error)
+    if not isinstance(failure, DatabaseUnavailable):
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+    return failure
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -257,10 +257,21 @@ def plan_output(
             ids, logprobs = ids[: index + 1], logprobs[: index + 1]
             finish = {"type": "stop", "matched": token}
             break
+    # Stop strings (`stop`): the output ends with the token that completes the first one the text
+    # holds; the ids keep it (SGLang trims only its text), and `matched` is the string.
+    stops = sampling_params.get("stop") or []
+    stops = [stop for stop in ([stops] if isinstance(stops, str) else stops) if stop]
+    for end in range(1, len(ids) + 1) if stops else ():
+        text = tokens.decode(ids[:end])
+        matched = next((stop for stop in stops if stop in text), None)
+        if matched is not None:
+            ids, logprobs = ids[:end], logprobs[:end]
+            finish = {"type": "stop", "matched": matched}
+            break
     # SGLang checks the length before the stop token: a stop token at the limit reads "length".
     if len(ids) >= max_new_tokens:
         ids, logprobs = ids[:max_new_tokens], logprobs[:max_new_tokens]
         finish = {"type": "length", "length": max_new_tokens}
-    elif not config.include_stop_token:
+    elif not config.include_stop_token and not isinstance(finish["matched"], str):
         ids, logprobs = ids[:-1], logprobs[:-1]
     return PlannedOutput(ids, logprobs, finish)

@@ -211,24 +211,22 @@ def _joined(content: str | list[TextBlock]) -> str:
 def chat_messages(system: str | list[TextBlock] | None, messages: list[InputMessage]) -> list[dict[str, Any]]:
     """Anthropic's conversation as chat messages: the system prompt first; an assistant's text,
     thinking and tool_use blocks as one message (its `tool_calls`); a user's tool_result blocks as
-    tool messages (named by their call) and its text as a user message, in the order sent."""
+    tool messages (the session names each by its call) and its text as a user message, in the order sent."""
     chat: list[dict[str, Any]] = [] if system is None else [{"role": "system", "content": _joined(system)}]
-    names: dict[str, str] = {}  # tool_use id -> the tool's name
     for message in messages:
         if isinstance(message.content, str):
             chat.append({"role": message.role, "content": message.content})
         elif message.role == "assistant":
-            chat.append(_assistant(message.content, names))
+            chat.append(_assistant(message.content))
         else:
-            chat += _user(message.content, names)
+            chat += _user(message.content)
     return chat
 
 
-def _assistant(blocks: list[Any], names: dict[str, str]) -> dict[str, Any]:
+def _assistant(blocks: list[Any]) -> dict[str, Any]:
     text = "".join(block.text for block in blocks if isinstance(block, TextBlock))
     reasoning = "".join(block.thinking for block in blocks if isinstance(block, ThinkingBlock))
     calls = [block for block in blocks if isinstance(block, ToolUseBlock)]
-    names.update((call.id, call.name) for call in calls)
     message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
     if reasoning:
         message["reasoning_content"] = reasoning
@@ -244,7 +242,7 @@ def _assistant(blocks: list[Any], names: dict[str, str]) -> dict[str, Any]:
     return message
 
 
-def _user(blocks: list[Any], names: dict[str, str]) -> list[dict[str, Any]]:
+def _user(blocks: list[Any]) -> list[dict[str, Any]]:
     chat: list[dict[str, Any]] = []
     text: list[str] = []
     for block in blocks:
@@ -257,8 +255,6 @@ def _user(blocks: list[Any], names: dict[str, str]) -> list[dict[str, Any]]:
                 "tool_call_id": block.tool_use_id,
                 "content": _joined(block.content),
             }
-            if block.tool_use_id in names:
-                result["name"] = names[block.tool_use_id]
             if block.is_error:
                 result["is_error"] = True  # kept in the transcript; chat templates have no place for it
             chat.append(result)

@@ -201,11 +201,11 @@ def _text(content: str | list[Any]) -> str:
 def chat_messages(instructions: str | None, items: str | list[Any]) -> list[dict[str, Any]]:
     """The instructions and input items as chat messages: an assistant's reasoning, message and
     function calls (as one response gives them) as one message with `tool_calls`; each function
-    call's output as a tool message named by its call; a developer's message as a system one."""
+    call's output as a tool message (the session names it by its call); a developer's message as a
+    system one."""
     chat: list[dict[str, Any]] = [] if instructions is None else [{"role": "system", "content": instructions}]
     if isinstance(items, str):
         return [*chat, {"role": "user", "content": items}]
-    names: dict[str, str] = {}  # call_id -> the function's name
     turn: dict[str, Any] | None = None  # the assistant message the items so far make up
 
     def assistant(opens: bool) -> dict[str, Any]:
@@ -223,7 +223,6 @@ def chat_messages(instructions: str | None, items: str | list[Any]) -> list[dict
                 t.text for t in texts
             )
         elif isinstance(item, FunctionCallItem):
-            names[item.call_id] = item.name
             call = {
                 "id": item.call_id,
                 "type": "function",
@@ -237,8 +236,6 @@ def chat_messages(instructions: str | None, items: str | list[Any]) -> list[dict
             turn = None
             if isinstance(item, FunctionCallOutputItem):
                 result = {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}
-                if item.call_id in names:
-                    result["name"] = names[item.call_id]
                 chat.append(result)
             else:
                 role = "system" if item.role == "developer" else item.role

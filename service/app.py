@@ -22,6 +22,7 @@ from service.app_state import EnginePause, Lazy, ResultsSignal, Services
 from service.config import Settings
 from service.engine.client import AbortQuiet, SGLangClient, make_control_client
 from service.engine.transport import SocketTransport
+from service.engine.vllm import VLLMClient
 from service.envs.base import UserSimConfig
 from service.envs.host import EnvHost
 from service.envs.registry import available_envs
@@ -111,7 +112,7 @@ async def lifespan(
         resources.push_async_callback(http.aclose)
         transport = SocketTransport()  # its connections are bounded by the client's max_inflight
         resources.push_async_callback(transport.aclose)
-        engine = SGLangClient(
+        engine = (VLLMClient if settings.engine == "vllm" else SGLangClient)(
             http,
             settings.sglang_url,
             max_inflight=settings.max_inflight_generates,
@@ -129,7 +130,7 @@ async def lifespan(
         group_log = GroupLog(database, metrics, on_logged=lambda completed: results.notify())
         group_log.start()
         resources.push_async_callback(group_log.stop)
-        pause = EnginePause(settings.max_pause_seconds, lambda: engine.control("/continue_generation", {}))
+        pause = EnginePause(settings.max_pause_seconds, engine.resume)
         resources.push_async_callback(pause.aclose)
         worker = None
         chat = None

@@ -21,8 +21,9 @@ demo: $(STAMP)
 
 # Lint, type-check, check the layers (pyproject.toml's [tool.importlinter]), then the whole suite
 # on SQLite and on the local PostgreSQL (started if it is installed but down) with the viewer's
-# browser tests in Debian's Chromium (installed if missing, as root). Where either cannot be had,
-# its tests are skipped with that reason, except on CI.
+# browser tests in Debian's Chromium (installed if missing, as root) and the real-engine tests against
+# vLLM on the CPU (scripts/ensure_vllm.sh: a virtualenv and a tiny model cached under ~/.cache, built
+# once). Where one cannot be had, its tests are skipped with that reason, except on CI.
 test: lint pytest
 
 lint: $(STAMP)
@@ -35,6 +36,8 @@ pytest: $(STAMP)
 	if [ $$postgres -ne 0 ] && [ $$postgres -ne 3 ]; then exit $$postgres; fi; \
 	scripts/ensure_chromium.sh; chromium=$$?; \
 	if [ $$chromium -ne 0 ] && [ $$chromium -ne 3 ]; then exit $$chromium; fi; \
+	scripts/ensure_vllm.sh >/dev/null; vllm=$$?; \
+	if [ $$vllm -ne 0 ] && [ $$vllm -ne 3 ]; then exit $$vllm; fi; \
 	ROLLOUT_SKIP_POSTGRES=$$([ $$postgres -eq 3 ] && echo 1) ROLLOUT_SKIP_BROWSER=$$([ $$chromium -eq 3 ] && echo 1) \
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -5,9 +5,9 @@ What differs from SGLang, from vLLM 0.32's source (entrypoints/scale_out/token_i
 - the request is `{"token_ids", "sampling_params", "request_id"}`, and sampling_params take vLLM's
   names (VLLM_NAMES below); a name vLLM lacks is refused (`unsupported_by_vllm`), never dropped;
 - the engine's id of a request is `generate-tokens-<request_id>`, and an abort names exact ids
-  (`/inference/v1/abort_requests`, `{"request_ids": [...]}`), so this client keeps the ids in
-  flight and aborts those under a prefix (SGLang aborts by prefix itself); closing the
-  connection aborts too (vLLM's `with_cancellation`);
+  (`/abort_requests` on a dev server, else `/inference/v1/abort_requests`, `{"request_ids": [...]}`),
+  so this client keeps the ids in flight and aborts those under a prefix (SGLang aborts by prefix
+  itself); closing the connection aborts too (vLLM's `with_cancellation`);
 - an aborted request answers 200 with `finish_reason: "abort"` and what it sampled so far;
 - pause and resume are `POST /pause?mode=abort|keep|wait` and `/resume` (the server needs
   `VLLM_SERVER_DEV_MODE=1`); `keep` freezes requests in flight and continues them after the resume;
@@ -62,7 +62,10 @@ VLLM_STRUCTURED = {
 # SGLang's streaming chunk size: nothing to do with a non-streamed request.
 VLLM_IGNORED = frozenset({"stream_interval"})
 ENGINE_ID_PREFIX = "generate-tokens-"  # vLLM's id of a request sent with request_id X is this + X
-ABORT_PATH = "/inference/v1/abort_requests"
+# The dev server's abort (VLLM_SERVER_DEV_MODE=1, which the pause routes need too) answers once the
+# engine has dropped the requests; /inference/v1/abort_requests answers at once and aborts in a
+# background task, and aborts were seen lost there under load: the latter only where the former is 404.
+ABORT_PATHS = ("/abort_requests", "/inference/v1/abort_requests")
 
 
 def unsupported_by_vllm(sampling_params: dict[str, Any]) -> str | None:
@@ -168,6 +171,7 @@ class VLLMClient(SGLangClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._live: dict[str, None] = {}  # request ids in flight, for aborts by prefix
+        self._abort_path = ABORT_PATHS[0]
 
     async def generate(
         self,
@@ -202,8 +206,12 @@ class VLLMClient(SGLangClient):
         ids = [f"{ENGINE_ID_PREFIX}{live}" for live in self._live if live.startswith(rid)]
         if not ids:
             return
+        body = {"request_ids": ids}
         targets = await self._abort_targets()
-        for url, problem in (await self.control(ABORT_PATH, {"request_ids": ids}, targets)).items():
+        for url, problem in (await self.control(self._abort_path, body, targets)).items():
+            if problem is not None and problem.startswith("HTTP 404") and self._abort_path == ABORT_PATHS[0]:
+                self._abort_path = ABORT_PATHS[1]  # not a dev server
+                problem = (await self.control(self._abort_path, body, [url]))[url]
             if problem is not None:
                 logger.warning("abort %s at %s: %s", rid, url, problem)
 

@@ -6,11 +6,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.engine.client import ABORT_QUIET_GROWTH, ABORT_QUIET_SECONDS
+from service.envs.base import UserSimConfig
 from service.envs.executors import THREADS_PER_WORKER, ExecutorKind
 from service.envs.host import CALL_TIMEOUT_SECONDS
+from service.loop.runner import DEFAULT_MAX_TURN_RESUMES
+from service.storage.db import POSTGRES_MAX_OVERFLOW, POSTGRES_POOL_SIZE, POSTGRES_POOL_TIMEOUT_SECONDS
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TEST_TOKENIZER_DIR = PACKAGE_DIR / "assets" / "tokenizer"
@@ -26,6 +30,12 @@ ONE_CALL_TOOL_INSTRUCTION = (
     "from the tool system.\n"
 )
 TEMPLATE_TOOL_INSTRUCTION = "You may call one or more functions to assist with the user query."
+
+
+class UserSimSettings(BaseSettings, UserSimConfig):
+    """UserSimConfig as the environment (or `.env`) sets it, by its fields' aliases: USER_SIM_*, JUDGE_*."""
+
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore", frozen=True, validate_by_name=True)
 
 
 class Settings(BaseSettings):
@@ -95,17 +105,19 @@ class Settings(BaseSettings):
 
     # The database connections of each service process (PostgreSQL; SQLite opens one per use).
     database_pool_size: int = Field(
-        default=10,
+        default=POSTGRES_POOL_SIZE,
         ge=1,
         description="Pooled PostgreSQL connections per process: the writer holds one (all writes go "
         "through it, committed in groups), the rest serve reads (API requests, long-poll checks, one per "
         "Arrow or JSON pull while it streams). With `--workers N`, N times this many.",
     )
     database_max_overflow: int = Field(
-        default=20, ge=0, description="Connections opened beyond the pool under bursts of reads."
+        default=POSTGRES_MAX_OVERFLOW,
+        ge=0,
+        description="Connections opened beyond the pool under bursts of reads.",
     )
     database_pool_timeout_seconds: float = Field(
-        default=10.0,
+        default=POSTGRES_POOL_TIMEOUT_SECONDS,
         gt=0,
         description="How long a request waits for a free connection before answering 503 (Retry-After).",
     )
@@ -121,11 +133,14 @@ class Settings(BaseSettings):
     claim_interval_seconds: float = Field(
         default=0.2, gt=0, description="Idle poll interval of the claim loop when the queue was empty."
     )
-    max_attempts: int = Field(
+    # It bounds failed attempts, not attempts: MAX_ATTEMPTS, its name in the environment, stays.
+    max_failed_attempts: int = Field(
         default=3,
         ge=1,
-        description="An episode fails after this many failed attempts (its worker crashed or was killed, "
-        "or the engine stayed unreachable); releases on a graceful shutdown do not count.",
+        validation_alias=AliasChoices("max_attempts", "max_failed_attempts"),
+        description="MAX_ATTEMPTS: an episode fails after this many failed attempts (its worker crashed "
+        "or was killed, or the engine stayed unreachable); releases on a graceful shutdown and re-runs "
+        "of stale episodes do not count.",
     )
     max_running_episodes: int = Field(default=2048, ge=1, description="Episodes in flight in this process.")
     max_inflight_generates: int = Field(default=512, ge=1, description="Concurrent /generate calls.")
@@ -154,16 +169,16 @@ class Settings(BaseSettings):
     engine_retries: int = Field(default=5, ge=0, description="Retries of a connection error or 5xx.")
     engine_backoff_seconds: float = Field(default=0.5, ge=0, description="First retry delay; doubles.")
     max_turn_resumes: int = Field(
-        default=8,
+        default=DEFAULT_MAX_TURN_RESUMES,
         ge=0,
         description="Engine aborts (weight updates, pause_generation) one turn is resumed after; "
         "one more fails the episode.",
     )
     engine_abort_quiet_seconds: float = Field(
-        default=1.0,
+        default=ABORT_QUIET_SECONDS,
         ge=0,
         description="After the engine aborts requests, no generate call goes to it for this long "
-        "(doubling, up to 16x, while aborts keep coming), so that a trainer sees it idle.",
+        f"(doubling, up to {ABORT_QUIET_GROWTH}x, while aborts keep coming), so that a trainer sees it idle.",
     )
     max_pause_seconds: float = Field(
         default=600.0,
@@ -184,24 +199,12 @@ class Settings(BaseSettings):
         "`failed` (timed out).",
     )
 
-    # The user simulator of LLM-driven environments (tau-bench, tau2).
-    user_sim_base_url: str = Field(
-        default="", description="OpenAI-compatible base URL, e.g. http://h:30000/v1."
+    user_sim: UserSimConfig = Field(
+        default_factory=UserSimSettings,
+        description="The user simulator of LLM-driven environments (tau-bench, tau2) and the LLM judge "
+        "of rewards that need one: USER_SIM_BASE_URL, USER_SIM_MODEL, USER_SIM_API_KEY, "
+        "USER_SIM_TEMPERATURE, USER_SIM_SEED, JUDGE_BASE_URL, JUDGE_MODEL, JUDGE_API_KEY (UserSimConfig).",
     )
-    user_sim_model: str = Field(default="", description="Model name sent to the user simulator.")
-    user_sim_api_key: SecretStr = Field(
-        default=SecretStr(""), description="Bearer key of the user simulator endpoint."
-    )
-    user_sim_temperature: float = Field(default=0.0, ge=0, description="Temperature of every user turn.")
-    user_sim_seed: int | None = Field(default=None, description="Seed sent with every user-simulator call.")
-    # The LLM judge of rewards that need one (tau2's NL_ASSERTION: 40 of retail's 114 tasks).
-    judge_base_url: str = Field(
-        default="",
-        description="OpenAI-compatible base URL of the reward's LLM judge; empty: tasks that need one "
-        "are refused at submit (422).",
-    )
-    judge_model: str = Field(default="", description="Model name sent to the judge.")
-    judge_api_key: SecretStr = Field(default=SecretStr(""), description="Bearer key of the judge endpoint.")
 
     tune_gc: bool = Field(
         default=True,
@@ -221,3 +224,16 @@ class Settings(BaseSettings):
     @cached_property
     def worker_url_list(self) -> list[str]:
         return [url.strip().rstrip("/") for url in self.sglang_worker_urls.split(",") if url.strip()]
+
+
+def environment_names() -> set[str]:
+    """Every environment variable the settings read (upper case), the nested model's included."""
+    names: set[str] = set()
+    for model in (Settings, UserSimSettings):
+        for name, field in model.model_fields.items():
+            if model is Settings and name == "user_sim":
+                continue
+            alias = field.validation_alias
+            choices = alias.choices if isinstance(alias, AliasChoices) else [alias or name]
+            names.update(str(choice).upper() for choice in choices)
+    return names

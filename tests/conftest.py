@@ -38,6 +38,7 @@ from service.config import Settings
 from service.serving import serve_app
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.storage.db import Database, run_migrations
+from tests.support.settings import TEST_SETTINGS
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "ROLLOUT_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -173,14 +174,11 @@ def sim() -> Iterator[tuple[SimWorker, str]]:
 
 def service_settings(database_url: str, sglang_url: str, **overrides: object) -> Settings:
     values: dict[str, object] = {
+        **TEST_SETTINGS,
         "database_url": database_url,
         "sglang_url": sglang_url,
         "env_executor": "thread",
-        "lease_seconds": 5.0,
-        "sweep_interval_seconds": 0.5,
-        "claim_interval_seconds": 0.05,
         "engine_backoff_seconds": 0.05,
-        "api_keys": "",
         "tune_gc": False,  # process-wide: the suite runs many apps in one process
     }
     values.update(overrides)

@@ -9,6 +9,7 @@ import asyncio
 import io
 import json
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,9 +17,12 @@ import openai
 import pyarrow as pa
 import pytest
 
+from service.agents.repository import AgentEpisode, StoredCall
+from service.agents.service import HeldEpisodes
 from service.app import create_app
 from service.serving import serve_app
 from service.sim.worker import SimConfig, SimRequest, SimWorker, create_sim_app, serve_in_thread
+from service.storage.blobs import TOKEN_BLOBS
 from tests.conftest import service_settings
 from tests.support.contract import GenerateCall, assert_tokens_match_calls, generate_call, sim_calls
 from tests.support.tokenizer import load_test_tokenizer
@@ -304,3 +308,56 @@ async def test_calls_through_two_processes_stay_exact(
         first_requests.setdefault(request.rid, request)
     calls = [generate_call(first_requests[f"{agent['episode_id']}:0:{turn}"]) for turn in range(3)]
     assert_tokens_match_calls(episode, calls)
+
+
+async def test_a_wrong_token_is_refused_without_a_tokenizer(
+    database_url: str, agent_sim: tuple[SimWorker, str], tmp_path: Path
+) -> None:
+    """Checking an agent's token reads its episode, nothing more: an API-only process whose
+    tokenizer cannot even load answers 401s, 404s and finishes (a call would load it)."""
+    broken = tmp_path / "no-tokenizer"
+    broken.mkdir()
+    settings = service_settings(
+        database_url,
+        agent_sim[1],
+        run_worker=False,
+        tokenizer_path=str(broken),
+        tool_call_format="qwen25",  # not `auto`, which reads the template at start
+    )
+    async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        first, second = await open_episodes(http, samples=2)
+        path = f"/v1/episodes/{first['episode_id']}/chat/completions"
+        body = {"model": "policy", "messages": [QUESTION]}
+        for headers in ({}, {"Authorization": f"Bearer {second['api_key']}"}, {"Authorization": "Basic x"}):
+            refused = await http.post(path, json=body, headers=headers)
+            assert refused.status_code == 401, refused.text
+            assert refused.headers["WWW-Authenticate"] == "Bearer"
+        unknown = await http.post(
+            "/v1/episodes/nope/chat/completions", json=body, headers={"Authorization": "Bearer x"}
+        )
+        assert unknown.status_code == 404
+        assert (await finish(http, first, reward=1.0)).status_code == 200
+        assert (await finish(http, first, reward=1.0)).status_code == 409
+
+
+def held(episode_id: str, size: int) -> StoredCall:
+    episode = AgentEpisode(episode_id, "batch", 0, "running", "token", {}, 8, None, 1, 1, None)
+    blobs = {name: b"" for name in TOKEN_BLOBS} | {TOKEN_BLOBS[0]: b"x" * size}
+    return StoredCall(episode, blobs | {"turns": [], "messages": []})
+
+
+def test_held_episodes_are_bounded_by_their_token_bytes() -> None:
+    cache = HeldEpisodes(max_bytes=100)
+    cache.put("a", held("a", 40))
+    cache.put("b", held("b", 40))
+    assert cache.get("a") is not None  # now the most recently used
+    cache.put("c", held("c", 40))  # evicts b, the least recently used
+    assert cache.get("b") is None and cache.get("a") is not None and cache.get("c") is not None
+    assert cache.bytes == 80
+    cache.put("a", held("a", 10))  # replaced, not added
+    assert cache.bytes == 50
+    cache.put("c", held("c", 1_000))  # larger than the whole cache: not held, nor its older state
+    assert cache.get("c") is None and cache.bytes == 10
+    cache.pop("a")
+    cache.pop("a")
+    assert cache.bytes == 0

@@ -382,7 +382,7 @@ async def test_a_pause_shows_and_ends_by_itself_at_the_limit(
 ) -> None:
     """A trainer that pauses generation and dies leaves it paused no longer than MAX_PAUSE_SECONDS;
     meanwhile /ready says so and /metrics' rollout_engine_paused is 1."""
-    caplog.set_level(logging.WARNING, logger="service.app_state")
+    caplog.set_level(logging.WARNING, logger="service.engine.pause")
     settings = service_settings(database_url, sim[1], run_worker=False, max_pause_seconds=PAUSE_LIMIT_SECONDS)
     async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         assert paused_gauge(await http.get("/metrics")) == 0
@@ -403,7 +403,7 @@ async def test_a_pause_shows_and_ends_by_itself_at_the_limit(
 async def test_continue_ends_the_pause_and_its_limit(
     database_url: str, sim: tuple[SimWorker, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="service.app_state")
+    caplog.set_level(logging.WARNING, logger="service.engine.pause")
     settings = service_settings(database_url, sim[1], run_worker=False, max_pause_seconds=PAUSE_LIMIT_SECONDS)
     async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         assert (await http.post("/engine/pause", json={"mode": "retract"})).status_code == 200

@@ -17,13 +17,14 @@ import pytest
 from starlette.types import Message
 
 from service.api.arrow import ARROW_SCHEMA, ARROW_STREAM_MEDIA_TYPE
-from service.api.batch_json import GroupSummaries, batch_summary_json
+from service.api.batch_json import batch_summary_json
 from service.api.episode_detail import episode_detail
 from service.api.schemas import EpisodeSummary, EpisodeWithTokens
 from service.api.streaming import BatchStreamResponse, arrow_stream, tokens_json_stream
 from service.app import create_app
 from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.serving import serve_app
+from service.shared import GroupSummaries
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
 from service.storage.batches import NewBatch, NewEpisode, enqueue_batch
 from service.storage.db import Database

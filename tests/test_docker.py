@@ -36,7 +36,7 @@ import pytest
 import yaml
 from docker.utils.build import PatternMatcher
 
-from service.config import Settings
+from service.config import environment_names
 from tests.support.ports import free_port, refused_url
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,7 +290,7 @@ def test_router_profile_launches_the_router_wheel() -> None:
 
 def test_service_environment_covers_the_settings() -> None:
     env = env_of(base_model()["services"]["service"])
-    fields = {name.upper() for name in Settings.model_fields}
+    fields = environment_names()
     assert REQUIRED_SERVICE_SETTINGS <= set(env)
     assert set(env) - fields <= NON_SETTINGS_ENV, "unknown variables: not Settings fields"
     assert REQUIRED_SERVICE_SETTINGS <= fields, "the service's Settings lost a field compose sets"

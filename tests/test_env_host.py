@@ -148,17 +148,21 @@ async def test_timed_out_open_leaves_no_env_behind(executor: str) -> None:
 
 
 async def test_hung_call_times_out_and_close_is_bounded(executor: str) -> None:
-    grace = 0.5
+    grace, timeout = 0.5, 1.0
     env_host = EnvHost(
-        workers=1, executor=executor, envs=TEST_ENVS, call_timeout_seconds=0.3, shutdown_grace_seconds=grace
+        workers=1, executor=executor, envs=TEST_ENVS, call_timeout_seconds=60, shutdown_grace_seconds=grace
     )
+    # The worker starts first, under no short timeout: a process's start-up (its imports, on a loaded
+    # machine) is not the env call this test times, and took longer than a short one in CI-like runs.
+    await env_host.worker_pids()
+    env_host.call_timeout_seconds = timeout
     session = await env_host.open("test/probe", "train", "ep")
     other = await env_host.open("test/probe", "train", "other")
     hang = 4.0 if executor == "thread" else 60.0  # a thread cannot be killed: keep the test's exit short
     with pytest.raises(EnvError) as caught:
         await session.step(Action("sleep", {"seconds": hang}))
     assert caught.value.exc_type == "TimeoutError"
-    assert str(caught.value) == "TimeoutError: step 'sleep' of episode 'ep' did not return within 0.3 s"
+    assert str(caught.value) == "TimeoutError: step 'sleep' of episode 'ep' did not return within 1 s"
     # The session is abandoned (its env may be mid-call); other episodes carry on.
     with pytest.raises(EnvError, match="abandoned"):
         await session.step(WHOAMI)

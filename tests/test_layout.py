@@ -76,6 +76,8 @@ def write_stand_in(root: Path, imports: dict[str, str]) -> Path:
         modules |= named_modules(contract)
         section: dict[str, str] = {}
         for key, value in contract.items():
+            if key == "ignore_imports":  # the stand-in has none of the imports they name
+                continue
             if isinstance(value, list):
                 section[key] = "\n" + "\n".join(stand_in_name(item) for item in value)
             else:

@@ -1,4 +1,4 @@
-"""Polls of one batch share their database reads: app_state.SharedReads, and GET /batches/{id}."""
+"""Polls of one batch share their database reads: shared.SharedReads, and GET /batches/{id}."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import httpx
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-from service.app_state import SharedReads
+from service.shared import SharedReads
 from tests.support.polling import until
 
 

@@ -15,7 +15,7 @@ import pytest
 from service import app as app_module
 from service.app import create_app
 from service.envs import registry, tau2_data
-from service.envs.base import EnvSpec
+from service.envs.base import EnvSpec, UserSimConfig
 from service.serving import serve_app
 from tests.conftest import service_settings
 
@@ -179,8 +179,7 @@ async def test_with_a_judge_they_are_taken(
         database_url,
         "http://127.0.0.1:9",
         run_worker=False,
-        judge_base_url="http://judge/v1",
-        judge_model="j",
+        user_sim=UserSimConfig(judge_base_url="http://judge/v1", judge_model="j"),
     )
     async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         assert (await submit(http, "tau2/retail", "train", [0, 2])).status_code == 202

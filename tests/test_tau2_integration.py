@@ -16,6 +16,7 @@ import pytest
 
 from service.app import create_app
 from service.envs import tau2_data
+from service.envs.base import UserSimConfig
 from service.serving import serve_app
 from service.sim.policy import SimConfig
 from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
@@ -77,11 +78,13 @@ async def client(
         database_url,
         sim[1],
         env_executor="process",  # as deployed: tau2 in env worker processes
-        user_sim_base_url=user_stub.base_url,
-        user_sim_model="user-model",
-        user_sim_seed=300,
-        judge_base_url=user_stub.base_url,
-        judge_model="judge-model",
+        user_sim=UserSimConfig(
+            base_url=user_stub.base_url,
+            model="user-model",
+            seed=300,
+            judge_base_url=user_stub.base_url,
+            judge_model="judge-model",
+        ),
     )
     async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
         yield http

@@ -30,8 +30,8 @@ from tests.support.tokenizer import chat_tokenizer
 from tests.support.vllm_server import VLLMServer, vllm_server
 
 LOGPROB_TOLERANCE = 1e-4  # absolute, per token
-PAUSES = 3
-PAUSE_SECONDS = 0.25
+MAX_PAUSES = 300
+PAUSE_SECONDS = 0.1
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 PROMPT = [1, 882, 198, 3918, 2, 198, 1, 77, 198]  # any ids of the tokenizer (4,100)
 
@@ -111,17 +111,6 @@ async def assert_episode_meets_the_contract(
     )
     assert checked == sum(mask)
     return episode
-
-
-async def until_generating(client: httpx.AsyncClient, calls: int) -> None:
-    """Waits (bounded) until the service has `calls` generate calls in flight."""
-    for _ in range(3000):
-        metrics = (await client.get("/metrics")).text
-        for line in metrics.splitlines():
-            if line.startswith("rollout_inflight_generates ") and float(line.split()[1]) >= calls:
-                return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"the service never had {calls} generate calls in flight")
 
 
 async def wait_batch(client: httpx.AsyncClient, batch_id: str) -> dict[str, Any]:
@@ -207,7 +196,10 @@ async def test_a_pause_during_a_batch_loses_nothing_and_samples_nothing_twice(
     generating: each turn ends with exactly its max_new_tokens sampled (aborted calls resumed
     from what they sampled), and every logprob is the engine's scoring of the stored sequence."""
     max_new_tokens = 2000
-    app = create_app(service_settings(database_url, vllm.url, engine="vllm", engine_abort_quiet_seconds=0.2))
+    settings = service_settings(
+        database_url, vllm.url, engine="vllm", engine_abort_quiet_seconds=0.05, max_turn_resumes=MAX_PAUSES
+    )
+    app = create_app(settings)
     async with serve_app(app) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
         submitted = await client.post(
             "/episodes",
@@ -220,12 +212,13 @@ async def test_a_pause_during_a_batch_loses_nothing_and_samples_nothing_twice(
             },
         )
         assert submitted.status_code == 202, submitted.text
-        # The pauses start once both calls are on their way to the engine (the service's own count):
-        # one that comes before the engine has a request holds it until the resume, and the next
-        # ones meet both requests generating (each takes seconds here).
-        await until_generating(client, 2)
+        # Pauses every PAUSE_SECONDS until the batch is done, so that some meet the calls mid-way
+        # whenever the engine takes them: no race with how fast it generates.
+        batch_url = f"/batches/{submitted.json()['batch_id']}"
+        pauses = 0
         async with httpx.AsyncClient(timeout=10) as http:
-            for _ in range(PAUSES):
+            while not (await client.get(batch_url)).json()["complete"]:
+                assert pauses < MAX_PAUSES, "the batch did not finish"
                 paused = await client.post("/engine/pause", json={"mode": mode})
                 assert paused.status_code == 200, paused.text
                 assert (await http.get(f"{vllm.url}/is_paused")).json() == {"is_paused": True}
@@ -233,6 +226,7 @@ async def test_a_pause_during_a_batch_loses_nothing_and_samples_nothing_twice(
                 resumed = await client.post("/engine/continue")
                 assert resumed.status_code == 200, resumed.text
                 await asyncio.sleep(PAUSE_SECONDS)
+                pauses += 1
         batch = await wait_batch(client, submitted.json()["batch_id"])
         resumes = 0
         for summary in batch["episodes"]:

@@ -12,43 +12,17 @@ from typing import Any
 
 import numpy as np
 import orjson
-from cachetools import LRUCache
 from sqlalchemy import Row, select
 
 from service.api.schemas import BatchGroupOut, BatchOut, EpisodeSummary, GroupsOut, RewardStatsOut
 from service.records import FINISHED_STATUSES
+from service.shared import GroupSummaries
 from service.storage import blobs
 from service.storage.batch_rows import SUMMARY_SELECTED, BatchHead, BatchRows, EpisodeColumns
 from service.storage.groups import GroupPage, RewardStats
 
-GROUP_SUMMARIES_BYTES = 64 * 1024 * 1024  # JSON of complete groups kept for polls, all batches
-
 if list(select(*SUMMARY_SELECTED).selected_columns.keys()) != list(EpisodeSummary.model_fields):
     raise AssertionError("SUMMARY_SELECTED's labels must be EpisodeSummary's fields, in order")
-
-
-def _summaries_bytes(groups: dict[int, bytes]) -> int:
-    return sum(len(text) for text in groups.values())
-
-
-class GroupSummaries:
-    """The JSON summaries of batches' complete groups, kept to answer the next poll: a group, once
-    complete, never changes (each of its episodes' final result is written once), so the polls of a
-    running batch encode each group once. The least recently polled batches go past `max_bytes`;
-    a batch whose summaries alone weigh more is not kept."""
-
-    def __init__(self, max_bytes: int = GROUP_SUMMARIES_BYTES) -> None:
-        self._batches: LRUCache[str, dict[int, bytes]] = LRUCache(max_bytes, getsizeof=_summaries_bytes)
-
-    def of(self, batch_id: str) -> dict[int, bytes]:
-        """The batch's groups summarized so far (a copy, by group index)."""
-        return dict(self._batches.get(batch_id, {}))
-
-    def add(self, batch_id: str, groups: dict[int, bytes]) -> None:
-        try:
-            self._batches[batch_id] = self._batches.get(batch_id, {}) | groups
-        except ValueError:  # more than max_bytes by itself
-            self._batches.pop(batch_id, None)
 
 
 def summary_item(row: Row[Any]) -> dict[str, Any]:

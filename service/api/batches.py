@@ -154,9 +154,7 @@ async def cancel(services: ServicesDep, batch_id: BatchId) -> CancelOut:
             await services.engine.abort(attempt_rid_prefix(episode_id, running[episode_id]))
 
     await asyncio.gather(*(abort(episode_id) for episode_id in running.keys() - here))
-    services.metrics.episodes_cancelled(cancellation.queued, len(running))
-    services.group_log.touch(batches=[batch_id])
-    services.results.notify()  # long-polls of this batch: it may be complete now
+    services.endings.batch_cancelled(batch_id, cancellation.queued, len(running))
     return CancelOut(
         batch_id=batch_id, cancelled=cancellation.queued + len(running), counts=cancellation.counts
     )

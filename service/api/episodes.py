@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Request, status
 from sqlalchemy import select
 
+from service.agents.repository import agent_tokens
 from service.api.deps import ServicesDep, long_poll
 from service.api.episode_detail import episode_detail
 from service.api.errors import (
@@ -34,7 +35,6 @@ from service.app_state import Services
 from service.config import Settings
 from service.engine.vllm import unsupported_by_vllm
 from service.records import EXTERNAL_ENV, FINISHED_STATUSES, EpisodeRequest
-from service.storage.agents import agent_tokens
 from service.storage.batches import BatchConflict, NewBatch, NewEpisode, submit_batch
 from service.storage.models import Episode, EpisodeSegment
 
@@ -86,7 +86,9 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> None:
         raise InvalidRequest.field(["task_split"], f"{body.env} {body.task_split} cannot run here: {why}")
     size = spec.splits[body.task_split]
     judged = (
-        spec.judged_tasks.get(body.task_split, frozenset()) if not services.settings.judge_base_url else ()
+        spec.judged_tasks.get(body.task_split, frozenset())
+        if not services.settings.user_sim.judge_base_url
+        else ()
     )
     for position, index in enumerate(body.task_indices):
         if not 0 <= index < size:

@@ -8,16 +8,14 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-import asyncpg
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api.values import escaped
-from service.storage.errors import database_unavailable
+from service.storage.errors import DATABASE_ERROR_TYPES, is_transient
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +200,7 @@ async def _handle_http_exception(request: Request, error: Exception) -> JSONResp
 
 
 def _failure(request: Request, error: Exception) -> ServiceError:
-    if database_unavailable(error):
+    if is_transient(error):
         logger.warning(
             "%s %s: the database is unavailable: %s: %s", request.method, request.url.path,
             type(error).__name__, error,
@@ -230,6 +228,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _handle_http_exception)
     app.add_exception_handler(RequestValidationError, _handle_validation_error)
     # Inside the routes' error handling, so that an outage is answered without a traceback per request.
-    for database_error in (SQLAlchemyError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+    for database_error in DATABASE_ERROR_TYPES:
         app.add_exception_handler(database_error, _handle_database_error)
     app.add_exception_handler(Exception, _handle_unexpected)  # outermost: Starlette's ServerErrorMiddleware

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import hmac
-
 from fastapi import FastAPI, HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.api.auth import authorized
 from service.api.errors import PayloadTooLarge, ServiceError, Unauthorized, error_response
 from service.config import Settings
 
@@ -17,8 +16,8 @@ PUBLIC_PAGES = frozenset({"/", "/ui", "/docs", "/docs/oauth2-redirect", "/openap
 PUBLIC_PREFIXES = ("/ui/", "/docs/assets/")
 
 
-# External agents' OpenAI endpoints: each episode's own token opens it, checked by its routes
-# (api/agents.py), which take an API key too.
+# External agents' endpoints: each episode's own token opens it, checked by its routes
+# (service/agents/deps.py), which take an API key too.
 AGENT_PREFIX = "/v1/episodes/"
 
 
@@ -52,7 +51,11 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.api_keys and not is_public(scope["path"]) and not self._authorized(headers):
+        if (
+            self.api_keys
+            and not is_public(scope["path"])
+            and not authorized(headers.get(b"authorization", b""), self.api_keys)
+        ):
             await self._reject(
                 Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'"),
                 scope,
@@ -65,14 +68,6 @@ class GuardMiddleware:
             await self._reject(self._too_large(), scope, receive, send)
             return
         await self.app(scope, self._limited(receive), send)
-
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
-        if scheme.lower() != b"bearer" or not key:
-            return False
-        # Compare against every key, without an early exit, in constant time per key.
-        matches = [hmac.compare_digest(key.strip(), candidate) for candidate in self.api_keys]
-        return any(matches)
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"request body larger than {self.max_body_bytes} bytes")

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import orjson
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
 from service.engine.transport import (
     CONNECT_TIMEOUT_SECONDS,
@@ -23,6 +24,7 @@ from service.engine.transport import (
     HttpxTransport,
     TransportFailure,
 )
+from service.retries import backoff, failed_attempt
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ CONTROL_TIMEOUT_SECONDS = 10.0
 ABORT_WORKERS_TTL_SECONDS = 10.0
 ABORT_QUIET_SECONDS = 1.0  # see AbortQuiet
 ABORT_QUIET_GROWTH = 16  # the longest quiet window, in first windows
+BACKOFF_MAX_SECONDS = 30.0  # the longest pause between two generate attempts
 
 
 class AbortQuiet:
@@ -133,6 +136,20 @@ class _Failure:
     reason: str
     status_code: int | None = None
     may_be_running: bool = False  # the request may have reached the engine (timeout, dropped connection)
+
+
+class _Retry(Exception):
+    """A failed attempt, raised for tenacity to retry."""
+
+    def __init__(self, failure: _Failure) -> None:
+        super().__init__(failure.reason)
+        self.failure = failure
+
+
+def _log_retry(rid: str, state: RetryCallState) -> None:
+    error, delay = failed_attempt(state)
+    reason = error.failure.reason if isinstance(error, _Retry) else repr(error)
+    logger.info("generate %s: %s; retry %d in %.2fs", rid, reason, state.attempt_number, delay)
 
 
 def _error_message(status: int, content: bytes) -> str:
@@ -277,7 +294,7 @@ class SGLangClient:
         self._inflight = asyncio.BoundedSemaphore(max_inflight)
         self._max_inflight = max_inflight
         self._retries = retries
-        self._backoff_seconds = backoff_seconds
+        self._backoff = backoff(backoff_seconds, BACKOFF_MAX_SECONDS)
         self._timeout_seconds = timeout_seconds
         self._worker_urls = [url.rstrip("/") for url in worker_urls or []]
         self._abort_workers: tuple[float, list[str]] | None = None  # (when listed, urls)
@@ -304,30 +321,54 @@ class SGLangClient:
         """
         encoded_ids = input_ids_json if input_ids_json is not None else json.dumps(list(input_ids))
         encoded_params = self._encode_params(sampling_params)
-        attempt = 0
+        result = await self._attempt(encoded_ids, encoded_params, rid)
+        if isinstance(result, Generation):
+            return result
+        return await self._retried(encoded_ids, encoded_params, rid, result)
+
+    async def _attempt(self, encoded_ids: str, encoded_params: str, rid: str) -> Generation | _Failure:
+        await self.abort_quiet.wait()
+        result = await self._post_generate(self._request_body(encoded_ids, encoded_params, rid))
+        if isinstance(result, Generation):
+            if result.interrupted:
+                self.abort_quiet.aborted()
+        elif result.may_be_running:
+            await self.abort(rid)  # free the engine's slot before asking again
+        return result
+
+    async def _retried(
+        self, encoded_ids: str, encoded_params: str, rid: str, failure: _Failure
+    ) -> Generation:
+        """The retries after a first attempt failed, at tenacity's jittered backoff. Off the hot
+        path: a retrying object costs ~20 us a call, 300 times a bare first attempt's bookkeeping."""
         attempt_rid = rid
-        while True:
-            await self.abort_quiet.wait()
-            body = self._request_body(encoded_ids, encoded_params, attempt_rid)
-            result = await self._post_generate(body)
-            if isinstance(result, Generation):
-                if result.interrupted:
-                    self.abort_quiet.aborted()
-                return result
-            if result.may_be_running:
-                await self.abort(attempt_rid)  # free the engine's slot before asking again
-                # The abort may land after the retry: a new rid cannot collide with the old request.
-                # The suffix keeps the rid's prefix, so aborting the episode's prefix still reaches it.
-                attempt_rid = f"{rid}.retry{attempt + 1}"
-            if attempt >= self._retries:
-                raise EngineUnavailableError(
-                    f"generate {rid} failed after {attempt + 1} attempts: {result.reason}",
-                    status_code=result.status_code,
-                )
-            delay = self._backoff_seconds * 2**attempt
-            logger.info("generate %s: %s; retry %d in %.2fs", rid, result.reason, attempt + 1, delay)
-            attempt += 1
-            await asyncio.sleep(delay)
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self._retries + 1),
+            wait=self._backoff,
+            retry=retry_if_exception_type(_Retry),
+            before_sleep=lambda state: _log_retry(rid, state),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    if attempt.retry_state.attempt_number > 1:
+                        if failure.may_be_running:
+                            # The abort may land after the retry: a new rid cannot collide with the
+                            # old request. The suffix keeps the rid's prefix, so aborting the
+                            # episode's prefix still reaches it.
+                            attempt_rid = f"{rid}.retry{attempt.retry_state.attempt_number - 1}"
+                        result = await self._attempt(encoded_ids, encoded_params, attempt_rid)
+                        if isinstance(result, Generation):
+                            return result
+                        failure = result
+                    raise _Retry(failure)
+        except _Retry as last:
+            raise EngineUnavailableError(
+                f"generate {rid} failed after {self._retries + 1} attempts: {last.failure.reason}",
+                status_code=last.failure.status_code,
+            ) from None
+        raise AssertionError("unreachable: tenacity either returns an attempt or raises")
 
     async def _post_generate(self, body: bytes) -> Generation | _Failure:
         """One attempt: the Generation, or a retryable failure."""

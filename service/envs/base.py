@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
 RESPOND_ACTION_NAME = "respond"
 
 
@@ -52,19 +54,52 @@ class Environment(Protocol):
     def step(self, action: Action) -> Step: ...
 
 
-@dataclass(frozen=True)
-class UserSimConfig:
+class UserSimConfig(BaseModel):
     """Where LLM-driven user simulators (tau-bench, tau2) send their turns, and where an LLM judge
-    of the reward (tau2's NL_ASSERTION) is asked: OpenAI-compatible APIs."""
+    of the reward (tau2's NL_ASSERTION) is asked: OpenAI-compatible APIs. Each field's alias is the
+    environment variable it is set by (service.config reads them: USER_SIM_*, JUDGE_*)."""
 
-    base_url: str = ""
-    model: str = ""
-    api_key: str = ""
-    temperature: float = 0.0
-    seed: int | None = None
-    judge_base_url: str = ""  # empty: no judge; tasks that need one are refused at submit
-    judge_model: str = ""
-    judge_api_key: str = ""
+    model_config = ConfigDict(frozen=True, validate_by_name=True, validate_by_alias=True)
+
+    base_url: str = Field(
+        default="",
+        validation_alias="user_sim_base_url",
+        description="OpenAI-compatible base URL, e.g. http://h:30000/v1.",
+    )
+    model: str = Field(
+        default="", validation_alias="user_sim_model", description="Model name sent to the user simulator."
+    )
+    api_key: SecretStr = Field(
+        default=SecretStr(""),
+        validation_alias="user_sim_api_key",
+        description="Bearer key of the user simulator endpoint.",
+    )
+    temperature: float = Field(
+        default=0.0,
+        ge=0,
+        validation_alias="user_sim_temperature",
+        description="Temperature of every user turn.",
+    )
+    seed: int | None = Field(
+        default=None,
+        validation_alias="user_sim_seed",
+        description="Seed sent with every user-simulator call.",
+    )
+    # The LLM judge of rewards that need one (tau2's NL_ASSERTION: 40 of retail's 114 tasks).
+    judge_base_url: str = Field(
+        default="",
+        validation_alias="judge_base_url",
+        description="OpenAI-compatible base URL of the reward's LLM judge; empty: tasks that need one "
+        "are refused at submit (422).",
+    )
+    judge_model: str = Field(
+        default="", validation_alias="judge_model", description="Model name sent to the judge."
+    )
+    judge_api_key: SecretStr = Field(
+        default=SecretStr(""),
+        validation_alias="judge_api_key",
+        description="Bearer key of the judge endpoint.",
+    )
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class EnvHost:
         self,
         workers: int,
         executor: ExecutorKind = "process",
-        user_sim: UserSimConfig = UserSimConfig(),  # noqa: B008  (frozen dataclass)
+        user_sim: UserSimConfig = UserSimConfig(),  # noqa: B008  (frozen)
         envs: Mapping[str, EnvSpec] | None = None,
         *,
         threads_per_worker: int = THREADS_PER_WORKER,

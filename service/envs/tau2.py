@@ -91,7 +91,7 @@ def _use_judge(tau2: Any, config: UserSimConfig) -> None:
         tau2.nl_assertions.DEFAULT_LLM_NL_ASSERTIONS_ARGS = {
             "temperature": 0.0,
             "api_base": config.judge_base_url,
-            "api_key": config.judge_api_key or "none",
+            "api_key": config.judge_api_key.get_secret_value() or "none",
         }
 
 
@@ -146,7 +146,7 @@ class Tau2Environment:
             user_tools = None
         llm_args: dict[str, Any] = {
             "api_base": self._user_sim.base_url,
-            "api_key": self._user_sim.api_key or "none",
+            "api_key": self._user_sim.api_key.get_secret_value() or "none",
             "temperature": self._user_sim.temperature,
         }
         if self._user_sim.seed is not None:

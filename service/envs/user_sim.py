@@ -8,12 +8,13 @@ get_total_cost() -> float. Synchronous: it runs inside an env worker.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
+from tenacity import Retrying, retry_if_exception_type, retry_if_result, stop_after_attempt
 
 from service.envs.base import UserSimConfig
+from service.retries import backoff
 
 STOP_TOKEN = "###STOP###"
 # The simulated customer speaks as the "assistant"; the agent's words arrive as "user" turns,
@@ -21,7 +22,8 @@ STOP_TOKEN = "###STOP###"
 AGENT_GREETING = "Hi! How can I help you today?"
 USER_SIM_TIMEOUT_SECONDS = 120.0
 USER_SIM_RETRIES = 2  # retries of a connection error or a 5xx, before UserSimulatorError
-USER_SIM_BACKOFF_SECONDS = 0.25  # first retry delay; doubles
+USER_SIM_BACKOFF_SECONDS = 0.25  # first retry delay; doubles, jittered
+USER_SIM_BACKOFF_MAX_SECONDS = 4.0
 
 
 class UserSimulatorError(RuntimeError):
@@ -112,22 +114,21 @@ class OpenAIUserSimulator:
         return body
 
     def _post(self, body: dict[str, Any]) -> dict[str, Any]:
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-        delay = self._backoff_seconds
-        for attempt in range(self._retries + 1):
-            last = attempt == self._retries
-            try:
-                response = self._client.post(self.url, json=body, headers=headers)
-            except httpx.TransportError as exc:
-                if last:
-                    raise UserSimulatorError(
-                        f"user simulator at {self.url} unreachable: {type(exc).__name__}: {exc}"
-                    ) from exc
-            else:
-                if response.status_code < 500 or last:
-                    break
-            time.sleep(delay)
-            delay *= 2
+        api_key = self.config.api_key.get_secret_value()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        retrying = Retrying(
+            stop=stop_after_attempt(self._retries + 1),
+            wait=backoff(self._backoff_seconds, USER_SIM_BACKOFF_MAX_SECONDS),
+            retry=retry_if_exception_type(httpx.TransportError)
+            | retry_if_result(lambda response: response.status_code >= 500),
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
+        )
+        try:
+            response: httpx.Response = retrying(self._client.post, self.url, json=body, headers=headers)
+        except httpx.TransportError as exc:
+            raise UserSimulatorError(
+                f"user simulator at {self.url} unreachable: {type(exc).__name__}: {exc}"
+            ) from exc
         self.calls += 1
         if response.status_code != 200:
             raise UserSimulatorError(

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from service.records import EpisodeTokens
@@ -66,12 +66,6 @@ class Trajectory:
     # turn would cost quadratic time over an episode (half our per-turn CPU at 30 turns).
     _encoded: list[str] = field(default_factory=list, repr=False)
     _encoded_count: int = field(default=0, repr=False)
-    # The agents slice's name for rollout_logprobs (service/agents/chat.py), until it passes that.
-    logprobs: InitVar[list[float] | None] = None
-
-    def __post_init__(self, logprobs: list[float] | None) -> None:
-        if logprobs is not None:
-            self.rollout_logprobs = logprobs
 
     def tokens(self) -> EpisodeTokens:
         """The arrays so far as one checked value, over this trajectory's own lists: take it when

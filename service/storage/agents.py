@@ -1,31 +1,24 @@
-"""External agents' episodes (env `external`) in the database.
+"""External agents' episodes (env `external`) as the queue sees them.
 
 Such an episode starts `running` under the owner EXTERNAL_OWNER, waiting for its agent: no worker
 claims it, and the lease sweep never re-queues it. Its lease is its idle deadline: every call of
-its agent stores the episode so far (the last segment in the row, closed segments in
-episode_segments) and pushes the deadline on; an episode past it fails (`expire_idle_agents`).
-Calls are fenced by `num_turns`: two calls that read the same state cannot both store theirs.
+its agent pushes it on (service/agents/repository.py stores the calls); an episode past it fails
+(`expire_idle_agents`).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
-from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Table, Update, bindparam, func, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy import update
 
 from service.records import EpisodeStatus
 from service.storage.db import Database, utcnow
-from service.storage.models import TOKEN_COLUMNS, Episode, EpisodeSegment, EpisodeTokens
+from service.storage.models import Episode
 
 EXTERNAL_OWNER = "external-agent"
-TOKEN_BLOBS = tuple(column.key for column in TOKEN_COLUMNS)
-SEGMENT_COLUMNS = (*TOKEN_BLOBS, "turns", "messages")  # what a segment has of its own
-HELD_BYTES = 256 * 1024 * 1024  # token blobs of the episodes a process holds (HeldEpisodes)
 IDLE_ERROR = "timed out: its agent made no call for EXTERNAL_IDLE_SECONDS"
 _RUNNING = EpisodeStatus.RUNNING.value
 
@@ -39,237 +32,6 @@ def waiting_for_agent(now: datetime, idle_seconds: float) -> dict[str, Any]:
         "started_at": now,
         "agent_token": secrets.token_urlsafe(32),
     }
-
-
-async def agent_tokens(database: Database, episode_ids: list[str]) -> dict[str, str]:
-    async with database.reader() as session:
-        rows = await session.execute(
-            select(Episode.id, Episode.agent_token).where(
-                Episode.id.in_(episode_ids), Episode.agent_token.is_not(None)
-            )
-        )
-        return {episode_id: token for episode_id, token in rows if token is not None}
-
-
-@dataclass
-class Segment:
-    """A segment's token arrays (the trainer contract's P, R, M, L), its calls and its messages:
-    the conversation as the agent sent it, with each assistant message as the service answered."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
-    turns: list[dict[str, Any]]
-    messages: list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class HeldEpisode:
-    """An episode as this process last stored it (its last segment's columns as written)."""
-
-    episode: AgentEpisode  # after that call; its `last` is left out (None): `columns` hold it
-    columns: dict[str, Any]
-
-    @property
-    def size(self) -> int:
-        return sum(len(self.columns[name]) for name in TOKEN_BLOBS)
-
-    def restored(self) -> AgentEpisode:
-        """The episode as stored, assumed still waiting: the next store's fence tells if not."""
-        return replace(self.episode, last=_segment_of(self.columns), held=True)
-
-
-class HeldEpisodes:
-    """The episodes this process stored last, newest last, up to `max_bytes` of token blobs: the
-    next call of the same agent (usually to the same process) need not read its episode back."""
-
-    def __init__(self, max_bytes: int = HELD_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self._held: OrderedDict[str, HeldEpisode] = OrderedDict()
-        self._bytes = 0
-
-    def get(self, episode_id: str) -> HeldEpisode | None:
-        return self._held.get(episode_id)
-
-    def put(self, episode_id: str, held: HeldEpisode) -> None:
-        self.pop(episode_id)
-        self._held[episode_id] = held
-        self._bytes += held.size
-        while self._bytes > self.max_bytes and self._held:
-            self._bytes -= self._held.popitem(last=False)[1].size
-
-    def pop(self, episode_id: str) -> None:
-        held = self._held.pop(episode_id, None)
-        if held is not None:
-            self._bytes -= held.size
-
-
-@dataclass
-class AgentEpisode:
-    episode_id: str
-    batch_id: str
-    group_index: int
-    status: str
-    agent_token: str | None
-    sampling_params: dict[str, Any]
-    max_turns: int
-    max_response_tokens: int | None
-    calls: int  # num_turns: the fence of the next store
-    segments: int
-    last: Segment | None  # None before the first call
-    held: bool = False  # restored from what this process stored, not read (HeldEpisode)
-
-    @property
-    def waiting(self) -> bool:
-        return self.status == _RUNNING and self.agent_token is not None
-
-
-# An episode's scalars and its last segment: what a call reads, unless this process holds it.
-_HEAD = (
-    Episode.id,
-    Episode.batch_id,
-    Episode.group_index,
-    Episode.status,
-    Episode.agent_token,
-    Episode.sampling_params,
-    Episode.max_turns,
-    Episode.max_response_tokens,
-    Episode.num_turns,
-    Episode.segments,
-)
-_LAST_SEGMENT = tuple(getattr(Episode, name) for name in SEGMENT_COLUMNS)
-
-
-def _store_call_statement() -> Update:
-    """A call's write, built once (as the queue's result write): fenced by the calls stored so far."""
-    table: Table = Episode.__table__  # type: ignore[assignment]  # a declarative model's Table
-    return (
-        update(table)
-        .where(
-            table.c.id == bindparam("episode"),
-            table.c.status == _RUNNING,
-            table.c.lease_owner == EXTERNAL_OWNER,
-            func.coalesce(table.c.num_turns, 0) == bindparam("fence"),
-        )
-        .values(
-            {table.c[name]: bindparam(f"new_{name}", type_=table.c[name].type) for name in SEGMENT_COLUMNS}
-            | {
-                table.c.num_turns: bindparam("calls"),
-                table.c.segments: bindparam("segments"),
-                table.c.lease_expires_at: bindparam("idle_until", type_=table.c.lease_expires_at.type),
-            }
-        )
-        .returning(table.c.id)
-    )
-
-
-_STORE_CALL = _store_call_statement()
-_LOAD = select(*_HEAD, *_LAST_SEGMENT).where(Episode.id == bindparam("episode"))
-
-
-async def load_agent_episode(database: Database, episode_id: str) -> AgentEpisode | None:
-    async with database.read_only.connect() as connection:
-        head = (await connection.execute(_LOAD, {"episode": episode_id})).first()
-    if head is None:
-        return None
-    return AgentEpisode(
-        episode_id=head.id,
-        batch_id=head.batch_id,
-        group_index=head.group_index,
-        status=head.status,
-        agent_token=head.agent_token,
-        sampling_params=dict(head.sampling_params),
-        max_turns=head.max_turns,
-        max_response_tokens=head.max_response_tokens,
-        calls=head.num_turns or 0,
-        segments=head.segments,
-        last=_segment_of(head._asdict()),
-    )
-
-
-def _segment_of(columns: dict[str, Any]) -> Segment | None:
-    if columns["prompt_ids"] is None or columns["response_ids"] is None:
-        return None
-    tokens = EpisodeTokens.decoded(*(columns[name] for name in TOKEN_BLOBS))
-    return Segment(
-        **asdict(tokens), turns=list(columns["turns"] or []), messages=list(columns["messages"] or [])
-    )
-
-
-def _segment_columns(segment: Segment) -> dict[str, Any]:
-    tokens = EpisodeTokens(
-        segment.prompt_ids, segment.response_ids, segment.loss_mask, segment.rollout_logprobs
-    )
-    return {**tokens.encoded(), "turns": segment.turns, "messages": segment.messages}
-
-
-async def store_call(
-    database: Database,
-    episode: AgentEpisode,
-    segment: Segment,
-    *,
-    closed: Segment | None,
-    idle_seconds: float,
-) -> HeldEpisode | None:
-    """Stores a call's outcome: `segment` as the episode's last, `closed` (the segment it
-    replaced, if the call started a new one) as segment `episode.segments - 2`. Returns what it
-    stored of the last segment; None, storing nothing, when the episode finished or another call
-    stored first."""
-    columns = _segment_columns(segment)
-    params = {
-        "episode": episode.episode_id,
-        "fence": episode.calls,
-        "calls": episode.calls + 1,
-        "segments": episode.segments,
-        "idle_until": utcnow() + timedelta(seconds=idle_seconds),
-    }
-    async with database.writer.begin() as session:
-        stored = await session.execute(
-            _STORE_CALL, params | {f"new_{name}": value for name, value in columns.items()}
-        )
-        if stored.first() is None:
-            return None
-        if closed is not None:
-            session.add(
-                EpisodeSegment(
-                    episode_id=episode.episode_id, segment=episode.segments - 2, **_segment_columns(closed)
-                )
-            )
-    after = replace(episode, calls=episode.calls + 1, last=None, held=False)
-    return HeldEpisode(after, columns)
-
-
-async def finish_agent_episode(
-    database: Database,
-    episode_id: str,
-    status: EpisodeStatus,
-    reward: float | None,
-    info: dict[str, Any],
-    error: str | None,
-) -> tuple[str, int] | None:
-    """Ends a waiting external episode as its agent says; returns its (batch id, group index), or
-    None when it is not waiting (finished, cancelled, timed out)."""
-    async with database.writer.begin() as session:
-        row = await _waiting_row(session, episode_id)
-        if row is None:
-            return None
-        row.status = status.value
-        row.reward = reward
-        row.info = {**(row.info or {}), **info}
-        row.error = error
-        row.lease_owner = None
-        row.lease_expires_at = None
-        row.finished_at = utcnow()
-        return row.batch_id, row.group_index
-
-
-async def _waiting_row(session: AsyncSession, episode_id: str) -> Episode | None:
-    return await session.scalar(
-        select(Episode)
-        .where(Episode.id == episode_id, Episode.status == _RUNNING, Episode.lease_owner == EXTERNAL_OWNER)
-        .with_for_update()
-    )
 
 
 async def expire_idle_agents(database: Database, *, now: datetime | None = None) -> list[tuple[str, int]]:

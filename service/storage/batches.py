@@ -159,7 +159,7 @@ async def cancel_batch(
     """Marks the batch cancelled and ends every queued or running episode of it `cancelled`, in one
     statement (None: no such batch). A running episode's result write is fenced by status, so its
     worker's late result changes nothing; the caller and the workers stop the work (see
-    api/batches.py, EpisodeWorker._cancel_loop). One UPDATE, not one per
+    api/batches.py, EpisodeWorker._cancelled_loop). One UPDATE, not one per
     status: under PostgreSQL's READ COMMITTED an episode claimed meanwhile is re-checked and still
     matches, where a second statement for running episodes would have run before the claim."""
     unfinished = (EpisodeStatus.QUEUED.value, EpisodeStatus.RUNNING.value)

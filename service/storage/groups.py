@@ -15,8 +15,9 @@ the lock sees both finished.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Any
@@ -25,7 +26,7 @@ from sqlalchemy import Table, and_, bindparam, exists, func, insert, select, tex
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.records import FINISHED_STATUSES, EpisodeStatus
-from service.storage.db import IN_LIST_CHUNK, utcnow
+from service.storage.db import IN_LIST_CHUNK, Database, utcnow
 from service.storage.models import Episode, Group
 
 GroupKey = tuple[str, int]  # (batch id, group index)
@@ -35,6 +36,21 @@ SEQ_LOCK_KEY = 0x67726F757073  # "groups"
 SWEEP_LIMIT = 1000  # unlogged groups one sweep checks at a time (the first after an upgrade: many)
 SCAN_ROWS = 500  # groups a page reads at a time while skipping filtered ones
 MAX_SCANNED = 20_000  # groups one page looks at, filtered ones included, before it answers
+
+
+@contextlib.asynccontextmanager
+async def log_transaction(database: Database) -> AsyncIterator[AsyncSession]:
+    """The transaction `log_complete` runs in. PostgreSQL: one of its own, committed at once, since
+    it holds the seq lock until its commit; in the writer's group it would wait behind row locks
+    another process's log transaction may be waiting on. SQLite has one writer and no row locks:
+    the writer's group."""
+    if database.engine.dialect.name == "postgresql":
+        async with database.sessionmaker.begin() as session:
+            yield session
+    else:
+        async with database.writer.begin() as session:
+            yield session
+
 
 _UNFINISHED = tuple(status.value for status in EpisodeStatus if status.value not in FINISHED_STATUSES)
 

@@ -127,21 +127,6 @@ class Batch(Base):
     episodes: Mapped[list[Episode]] = relationship(back_populates="batch", lazy="raise")
 
 
-class EpisodeTokens(records.EpisodeTokens):
-    """records.EpisodeTokens with the blob codec as methods: only for the agents slice
-    (service/agents, storage/agents.py), until it uses records.EpisodeTokens with
-    blobs.decode_tokens and blobs.encode_tokens. Nothing else should use it."""
-
-    @classmethod
-    def decoded(
-        cls, prompt_ids: bytes, response_ids: bytes, loss_mask: bytes | None, rollout_logprobs: bytes | None
-    ) -> records.EpisodeTokens:
-        return blobs.decode_tokens(prompt_ids, response_ids, loss_mask, rollout_logprobs)
-
-    def encoded(self) -> dict[str, bytes]:
-        return blobs.encode_tokens(self)
-
-
 class Episode(Base):
     """One rollout and, while unfinished, its job: status, attempt and lease drive the queue."""
 

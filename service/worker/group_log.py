@@ -11,21 +11,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 
-from sqlalchemy.ext.asyncio import AsyncSession
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from service.metrics import Metrics
+from service.retries import backoff, failed_attempt
 from service.storage import groups
 from service.storage.db import Database
+from service.storage.errors import is_transient
 from service.storage.groups import CompletedGroup, GroupKey
-from service.worker.worker import DATABASE_ERRORS
 
 logger = logging.getLogger(__name__)
 
 GATHER_SECONDS = 0.02  # after a touch, for more of them to join the same transaction
 SWEEP_SECONDS = 2.0  # between sweeps of every unlogged group
-RETRY_SECONDS = 1.0  # after a failed transaction (the database down)
+RETRY_SECONDS = 1.0  # after a failed transaction (the database down); doubles, jittered
+RETRY_MAX_SECONDS = 8.0  # up to this
 
 
 class GroupLog:
@@ -46,6 +48,7 @@ class GroupLog:
         self._touched = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
+        self._next_sweep = 0.0  # the loop's time of the next sweep
 
     def touch(self, keys: Iterable[GroupKey] = (), batches: Iterable[str] = ()) -> None:
         """These groups, or every group of these batches, may be complete now."""
@@ -66,34 +69,49 @@ class GroupLog:
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
-        next_sweep = loop.time()
+        self._next_sweep = loop.time()
+        retrying = AsyncRetrying(  # one round at a time: reused
+            wait=backoff(RETRY_SECONDS, RETRY_MAX_SECONDS),
+            retry=retry_if_exception(is_transient),
+            stop=lambda state: self._stopping,
+            before_sleep=self._round_failed,
+            reraise=True,
+        )
         while True:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, next_sweep - loop.time())):
+                async with asyncio.timeout(max(0.0, self._next_sweep - loop.time())):
                     await self._touched.wait()
                     if not self._stopping:
                         await asyncio.sleep(GATHER_SECONDS)
             self._touched.clear()
             try:
-                if self._keys or self._batches:
-                    await self._log_touched()
-                if self._stopping:
-                    return
-                if loop.time() >= next_sweep:
-                    await self.sweep()
-                    next_sweep = loop.time() + self._sweep_seconds
-            except DATABASE_ERRORS as error:
-                self._database.status.failed(error)
-                if self._stopping:
-                    return
-                logger.warning("logging complete groups failed (%s); retrying", error)
-                await asyncio.sleep(RETRY_SECONDS)
+                await retrying(self._round)
+            except Exception as error:
+                if is_transient(error):  # retried until the log stopped
+                    self._database.status.failed(error)
+                else:
+                    logger.error("logging complete groups failed: a bug, not an outage", exc_info=error)
+            if self._stopping:
+                return
+
+    async def _round(self) -> None:
+        if self._keys or self._batches:
+            await self._log_touched()
+        loop = asyncio.get_running_loop()
+        if not self._stopping and loop.time() >= self._next_sweep:
+            await self.sweep()
+            self._next_sweep = loop.time() + self._sweep_seconds
+
+    def _round_failed(self, state: RetryCallState) -> None:
+        error, delay = failed_attempt(state)
+        self._database.status.failed(error)
+        logger.warning("logging complete groups failed (%s); retry in %.1f s", error, delay)
 
     async def _log_touched(self) -> None:
         keys, batches = self._keys, self._batches
         self._keys, self._batches = set(), set()
         try:
-            async with self._transaction() as session:
+            async with groups.log_transaction(self._database) as session:
                 for batch_id in batches:
                     keys.update(await groups.batch_group_keys(session, batch_id))
                 completed = await groups.log_complete(session, keys)
@@ -107,7 +125,7 @@ class GroupLog:
         """Logs every complete group not logged yet; returns how many."""
         count = 0
         while True:
-            async with self._transaction() as session:
+            async with groups.log_transaction(self._database) as session:
                 completed = await groups.log_complete(session, None)
             self._logged(completed)
             count += len(completed)
@@ -118,15 +136,3 @@ class GroupLog:
         if completed:
             self._metrics.groups_completed.inc(len(completed))
             self._on_logged(completed)
-
-    @contextlib.asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[AsyncSession]:
-        # PostgreSQL: a transaction of its own, committed at once, since it holds the seq lock until
-        # its commit; in the writer's group it would wait behind row locks another process's log
-        # transaction may be waiting on. SQLite has one writer and no row locks: the writer's group.
-        if self._database.engine.dialect.name == "postgresql":
-            async with self._database.sessionmaker.begin() as session:
-                yield session
-        else:
-            async with self._database.writer.begin() as session:
-                yield session

@@ -16,22 +16,23 @@ from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import TypeVar
 
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, ProgrammingError
-from sqlalchemy.exc import TimeoutError as SQLAlchemyTimeoutError
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from service.config import Settings
 from service.logs import EPISODE_LOG_FIELDS
 from service.loop.runner import EpisodeRunner
 from service.records import EpisodeResult
+from service.retries import backoff, failed_attempt
 from service.storage import agents, queue
 from service.storage.db import Database
+from service.storage.errors import is_refused, is_transient
 from service.storage.queue import ClaimedEpisode
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CLAIM_BATCH = 256  # episodes claimed in one transaction, at most
-STORE_BACKOFF_SECONDS = 0.2  # first delay between tries of a result write; doubles
+STORE_BACKOFF_SECONDS = 0.2  # first delay between tries of a result write; doubles, jittered
 STORE_BACKOFF_MAX_SECONDS = 2.0  # up to this: a result is held until the database takes it
 WRITES_DRAIN_SECONDS = 15.0  # on shutdown, how long result writes already under way may take
 CANCEL_WAIT_SECONDS = 5.0  # on shutdown, how long cancelled episodes may take to unwind
@@ -40,10 +41,6 @@ LOOPS_STOP_SECONDS = 5.0  # on shutdown, how long the background loops may take 
 # failed (its error says why), so that a bound no episode can meet does not loop forever.
 STALE_ATTEMPTS = 16
 CANCELLED_POLL_SECONDS = 0.5  # how often the batches of running episodes are checked for a cancel
-# What a busy or briefly unreachable database raises; anything else is a bug and is not swallowed.
-DATABASE_ERRORS = (DBAPIError, SQLAlchemyTimeoutError, OSError)
-# What no retry fixes: the row or its data is refused (e.g. a NUL character in a JSON text).
-PERMANENT_DATABASE_ERRORS = (DataError, IntegrityError, ProgrammingError)
 FinishedHook = Callable[[ClaimedEpisode, EpisodeResult], None]
 
 
@@ -155,13 +152,12 @@ class EpisodeWorker:
                         self.writes, self.worker_id, limit, self.settings.lease_seconds
                     )
                     self.database.status.ok()
-                except DATABASE_ERRORS as error:
-                    self.database.status.failed(error)
-                    logger.exception("claiming episodes failed; retrying")
+                except Exception as error:
+                    self._round_failed("claiming episodes", error)
             for claim in claimed:
-                stale = self.running.get(claim.id)
-                if stale is not None:  # its lease expired (this process stalled) and came back to us
-                    stale.task.cancel()
+                previous = self.running.get(claim.id)
+                if previous is not None:  # its lease expired (this process stalled) and came back to us
+                    previous.task.cancel()
                 task = asyncio.create_task(self._run(claim), name=f"episode {claim.id}")
                 self.running[claim.id] = _Running(claim, task)
             if claimed and len(claimed) == limit:
@@ -204,15 +200,16 @@ class EpisodeWorker:
     async def _write(self, claim: ClaimedEpisode, result: EpisodeResult) -> bool:
         """Stores the result, or re-queues a retryable failure that has attempts left, or a stale
         episode (past its max_staleness) for a fresh attempt, which is no failure."""
-        stale = result.stale and claim.attempt + 1 < STALE_ATTEMPTS
-        if stale or (result.retryable and claim.failures + 1 < self.settings.max_attempts):
+        rerun_stale = result.stale and claim.attempt + 1 < STALE_ATTEMPTS
+        retry_failed = result.retryable and claim.failures + 1 < self.settings.max_failed_attempts
+        if rerun_stale or retry_failed:
             logger.warning(
                 "episode %s attempt %d: %s; queued to run again", claim.id, claim.attempt, result.error
             )
             released = await self._with_retries(
                 claim,
                 lambda: queue.release_episodes(
-                    self.writes, self.worker_id, [claim.id], failed=not stale, attempt=claim.attempt
+                    self.writes, self.worker_id, [claim.id], failed=not rerun_stale, attempt=claim.attempt
                 ),
             )
             return released > 0
@@ -222,7 +219,10 @@ class EpisodeWorker:
 
         try:
             stored = await self._with_retries(claim, lambda: finish(result))
-        except PERMANENT_DATABASE_ERRORS as error:  # the result itself is refused: record why
+        except Exception as error:
+            if not is_refused(error):
+                raise
+            # The result itself is refused (e.g. a NUL character in a JSON text): record why.
             logger.error("episode %s: its result cannot be stored: %s", claim.id, error)
             refused = EpisodeResult.failed(f"the result could not be stored: {error}"[:2000])
             stored = await self._with_retries(claim, lambda: finish(refused))
@@ -236,18 +236,34 @@ class EpisodeWorker:
         """Runs a database write until it goes through: a finished result is held in memory through
         a database outage, never thrown away. Its lease stays valid meanwhile: the heartbeat renews
         it as soon as the database answers, and no sweep re-queues leases that expired during an
-        outage (see _sweep_loop). Only an error no retry fixes is raised."""
-        delay = STORE_BACKOFF_SECONDS
-        while True:
-            try:
-                return await write()
-            except PERMANENT_DATABASE_ERRORS:
-                raise
-            except DATABASE_ERRORS as error:
-                self.database.status.failed(error)
-                logger.warning("writing episode %s failed (%s); retry in %.1f s", claim.id, error, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, STORE_BACKOFF_MAX_SECONDS)
+        outage (see _sweep_loop). Only a transient error is retried; any other is raised."""
+
+        def failed(state: RetryCallState) -> None:
+            error, delay = failed_attempt(state)
+            self.database.status.failed(error)
+            logger.warning("writing episode %s failed (%s); retry in %.1f s", claim.id, error, delay)
+
+        retrying = AsyncRetrying(
+            wait=backoff(STORE_BACKOFF_SECONDS, STORE_BACKOFF_MAX_SECONDS),
+            retry=retry_if_exception(is_transient),
+            before_sleep=failed,
+            reraise=True,
+        )
+
+        async def attempt() -> T:  # tenacity awaits only what a coroutine function returns
+            return await write()
+
+        return await retrying(attempt)
+
+    def _round_failed(self, what: str, error: Exception) -> None:
+        """A round of a background loop failed; the loop goes on. An outage is recorded (/health
+        shows it, the lease sweep waits for the database to answer a whole lease); anything else is
+        a bug: logged with its traceback, and neither marks the database down nor pauses the sweep."""
+        if is_transient(error):
+            self.database.status.failed(error)
+            logger.warning("%s failed (%s: %s); retrying", what, type(error).__name__, error)
+        else:
+            logger.error("%s failed: a bug, not an outage", what, exc_info=error)
 
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.lease_seconds / 3
@@ -260,9 +276,8 @@ class EpisodeWorker:
                     self.writes, self.worker_id, ids, self.settings.lease_seconds
                 )
                 self.database.status.ok()
-            except DATABASE_ERRORS as error:
-                self.database.status.failed(error)
-                logger.exception("renewing leases failed; retrying")
+            except Exception as error:
+                self._round_failed("renewing leases", error)
                 continue
             for episode_id in set(ids) - renewed:
                 running = self.running.get(episode_id)
@@ -280,20 +295,18 @@ class EpisodeWorker:
             if self.database.status.answered_for(lease):
                 try:
                     count = await queue.requeue_expired(
-                        self.writes, self.settings.max_attempts, spare_owner=self.worker_id
+                        self.writes, self.settings.max_failed_attempts, spare_owner=self.worker_id
                     )
-                except DATABASE_ERRORS as error:
-                    self.database.status.failed(error)
-                    logger.exception("sweeping expired leases failed; retrying")
+                except Exception as error:
+                    self._round_failed("sweeping expired leases", error)
                 else:
                     if count:
                         logger.info("re-queued %d episodes whose lease expired", count)
                         self.wake()
                 try:
                     idle = await agents.expire_idle_agents(self.database)
-                except DATABASE_ERRORS as error:
-                    self.database.status.failed(error)
-                    logger.exception("sweeping idle external agents failed; retrying")
+                except Exception as error:
+                    self._round_failed("sweeping idle external agents", error)
                 else:
                     if idle:  # their groups are logged by the group log's sweep
                         logger.info("%d external episodes failed: %s", len(idle), agents.IDLE_ERROR)
@@ -310,9 +323,8 @@ class EpisodeWorker:
                 continue
             try:
                 cancelled = await queue.cancelled_batches(self.database.reader, batches)
-            except DATABASE_ERRORS as error:
-                self.database.status.failed(error)
-                logger.warning("checking for cancelled batches failed: %s", error)
+            except Exception as error:
+                self._round_failed("checking for cancelled batches", error)
                 continue
             if cancelled:
                 ids = [

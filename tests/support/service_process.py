@@ -22,20 +22,17 @@ from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_th
 from service.storage.db import Database
 from service.storage.models import Episode
 from tests.support.ports import free_port
+from tests.support.settings import TEST_SETTINGS
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_SECONDS = 60.0
 POLL_SECONDS = 0.05
 # The settings the service runs with in subprocess tests, as environment variables (keyword
-# arguments of `service_process` override them): INFO logs, which the tests read; a short lease
-# and fast sweep and claim loops, so that recovery happens within a test's timeouts; one env
-# worker process.
+# arguments of `service_process` override them): the tests' own, INFO logs, which the tests read,
+# and one env worker process.
 SERVICE_ENV: dict[str, object] = {
-    "api_keys": "",
+    **TEST_SETTINGS,
     "log_level": "INFO",
-    "lease_seconds": 5,
-    "sweep_interval_seconds": 0.5,
-    "claim_interval_seconds": 0.05,
     "env_executor": "process",
     "env_workers": 1,
 }

@@ -1,0 +1,166 @@
+"""OpenAI's Chat Completions API for an episode's agent: `OpenAI(base_url=<service>/v1/episodes/{id},
+api_key=<its token>)`. Its request as a `ChatCall`, an `Answer` as its response or its server-sent
+events, and its route."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import orjson
+from fastapi import APIRouter
+from fastapi.responses import Response, StreamingResponse
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from service.agents.conversation import Answer, ChatCall
+from service.agents.deps import EngineFailed, WaitingEpisode, http_errors
+from service.api.deps import ServicesDep
+from service.api.errors import Conflict, DatabaseUnavailable, InvalidRequest, NotFound, responses
+from service.api.values import Text, storable_json
+
+router = APIRouter()  # tagged by routes.py
+SSE_MEDIA_TYPE = "text/event-stream"
+
+# The agent's sampling parameters that map onto SGLang's; the trainer's (POST /episodes) win.
+OPENAI_TO_SGLANG = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "stop": "stop",
+    "seed": "sampling_seed",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's chat completion request. Fields this service has no use for (`tool_choice`,
+    `logprobs`, `user`, ...) are accepted and ignored, so that any OpenAI client works."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text = "policy"
+    messages: Annotated[list[dict[str, Any]], AfterValidator(storable_json)] = Field(min_length=1)
+    tools: Annotated[list[dict[str, Any]], AfterValidator(storable_json)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: Text | list[Text] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+
+    def call(self) -> ChatCall:
+        for position, message in enumerate(self.messages):
+            if not isinstance(message.get("role"), str):
+                raise InvalidRequest.field(["messages", position, "role"], "every message needs a role")
+        sampling = {
+            sglang: value
+            for name, sglang in OPENAI_TO_SGLANG.items()
+            if (value := getattr(self, name)) is not None
+        }
+        if isinstance(sampling.get("stop"), str):
+            sampling["stop"] = [sampling["stop"]]
+        return ChatCall(
+            messages=self.messages,  # OpenAI's messages are the conversation's own shape
+            tools=self.tools or None,
+            sampling=sampling,
+            max_tokens=self.max_completion_tokens or self.max_tokens,
+        )
+
+
+def completion_body(answer: Answer, model: str) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "message": answer.message, "finish_reason": answer.finish_reason, "logprobs": None}
+        ],
+        "usage": _usage(answer),
+    }
+
+
+def _usage(answer: Answer) -> dict[str, int]:
+    return {
+        "prompt_tokens": answer.prompt_tokens,
+        "completion_tokens": answer.completion_tokens,
+        "total_tokens": answer.prompt_tokens + answer.completion_tokens,
+    }
+
+
+def completion_chunks(answer: Answer, model: str, include_usage: bool) -> list[dict[str, Any]]:
+    """The answer as OpenAI streams one: the role, the content, each tool call, the finish reason,
+    and (with stream_options.include_usage) a last chunk with the usage and no choices."""
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+    }
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        return {
+            **head,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+
+    message = answer.message
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    if message.get("reasoning_content"):
+        chunks.append(chunk({"reasoning_content": message["reasoning_content"]}))
+    if message.get("content"):
+        chunks.append(chunk({"content": message["content"]}))
+    for index, call in enumerate(message.get("tool_calls") or ()):
+        chunks.append(chunk({"tool_calls": [{"index": index, **call}]}))
+    chunks.append(chunk({}, answer.finish_reason))
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": _usage(answer)})
+    return chunks
+
+
+@router.post(
+    "/v1/episodes/{episode_id}/chat/completions",
+    operation_id="agent_chat_completions",
+    responses={
+        **responses(InvalidRequest, NotFound, Conflict, EngineFailed, DatabaseUnavailable),
+        200: {
+            "description": "OpenAI's chat completion, or with `stream: true` its server-sent events.",
+            "content": {SSE_MEDIA_TYPE: {"schema": {"type": "string"}}},
+        },
+    },
+)
+async def chat_completions(
+    body: ChatCompletionRequest, services: ServicesDep, episode: WaitingEpisode
+) -> Response:
+    """The OpenAI chat completions API for one episode's agent: its messages become token ids,
+    SGLang samples, and the call is recorded exactly (sampled ids mask 1 with their logprobs,
+    everything else mask 0) before the answer goes out."""
+    call = body.call()
+    with http_errors:
+        answer = await services.agents.complete(episode, call)
+    if not body.stream:
+        return Response(orjson.dumps(completion_body(answer, body.model)), media_type="application/json")
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    events = [
+        b"data: " + orjson.dumps(chunk) + b"\n\n"
+        for chunk in completion_chunks(answer, body.model, include_usage)
+    ]
+    events.append(b"data: [DONE]\n\n")
+
+    async def stream() -> AsyncIterator[bytes]:
+        for event in events:
+            yield event
+
+    return StreamingResponse(stream(), media_type=SSE_MEDIA_TYPE, headers={"Cache-Control": "no-cache"})

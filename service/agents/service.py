@@ -1,0 +1,139 @@
+"""External agents' episodes in one process: load, answer, store, and what this process holds.
+
+Each call stores the episode so far; this process keeps what it stored (`HeldEpisodes`), so that
+the agent's next call (usually to the same process) need not read its episode back. What it holds
+may be stale (a call through another process, a cancel, the idle timeout): the store's fence then
+refuses the call, and it is answered again from the database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from cachetools import LRUCache
+
+from service.agents.conversation import Answer, ChatCall
+from service.agents.errors import EpisodeClosed, UnknownEpisode
+from service.agents.repository import (
+    AgentEpisode,
+    StoredCall,
+    finish_agent_episode,
+    load_agent_episode,
+    store_call,
+)
+from service.agents.session import AgentTurns
+from service.records import EpisodeStatus
+from service.storage.db import Database
+
+HELD_BYTES = 256 * 1024 * 1024  # token blobs of the episodes a process holds
+
+
+class HeldEpisodes:
+    """The episodes this process stored last, least recently used out first, up to `max_bytes` of
+    token blobs."""
+
+    def __init__(self, max_bytes: int = HELD_BYTES) -> None:
+        self._held: LRUCache[str, StoredCall] = LRUCache(max_bytes, getsizeof=_size)
+
+    def get(self, episode_id: str) -> StoredCall | None:
+        return self._held.get(episode_id)
+
+    def put(self, episode_id: str, stored: StoredCall) -> None:
+        self._held.pop(episode_id, None)
+        try:
+            self._held[episode_id] = stored
+        except ValueError:  # larger than the whole cache: not held
+            pass
+
+    def pop(self, episode_id: str) -> None:
+        self._held.pop(episode_id, None)
+
+    @property
+    def bytes(self) -> int:
+        return int(self._held.currsize)
+
+
+def _size(stored: StoredCall) -> int:
+    return stored.size
+
+
+class AgentSessions:
+    """External agents' episodes as this process serves them. Reading an episode (and so checking
+    its agent's token) needs only the database; answering a call needs the engine and the
+    tokenizer, which `turns` builds on first use (an API-only process loads its tokenizer then)."""
+
+    def __init__(
+        self,
+        database: Database,
+        turns: Callable[[], Awaitable[AgentTurns]],
+        *,
+        idle_seconds: float,
+        held_bytes: int = HELD_BYTES,
+    ) -> None:
+        self.database = database
+        self._turns = turns
+        self.idle_seconds = idle_seconds
+        self.held = HeldEpisodes(held_bytes)
+
+    async def episode(self, episode_id: str) -> AgentEpisode:
+        """The episode as this process stored it last, else as the database has it; raises
+        UnknownEpisode when there is none an external agent plays."""
+        held = self.held.get(episode_id)
+        episode = held.restored() if held is not None else await load_agent_episode(self.database, episode_id)
+        if episode is None or episode.agent_token is None:
+            raise UnknownEpisode(f"no external episode {episode_id!r}")
+        return episode
+
+    @staticmethod
+    def check_waiting(episode: AgentEpisode) -> None:
+        if not episode.waiting:
+            raise EpisodeClosed(f"episode {episode.episode_id!r} is {episode.status}: it takes no more calls")
+
+    async def complete(self, episode: AgentEpisode, call: ChatCall) -> Answer:
+        """Answers the call and stores it before returning the answer; raises EpisodeClosed when
+        the episode ended or took another call meanwhile (nothing stored), or an error of
+        `AgentTurns.answer`."""
+        stored, answer = await self._answer_and_store(episode, call)
+        if stored is None and episode.held:
+            # What this process held was stale: read the episode and answer again.
+            fresh = await load_agent_episode(self.database, episode.episode_id)
+            if fresh is None or not fresh.waiting:
+                raise EpisodeClosed(f"episode {episode.episode_id!r} takes no more calls")
+            stored, answer = await self._answer_and_store(fresh, call)
+        if stored is None:
+            raise EpisodeClosed(
+                f"episode {episode.episode_id!r} ended or took another call meanwhile: "
+                "this one is not recorded"
+            )
+        return answer
+
+    async def _answer_and_store(
+        self, episode: AgentEpisode, call: ChatCall
+    ) -> tuple[StoredCall | None, Answer]:
+        """The stored state is None when the store's fence refused the call."""
+        answered = await (await self._turns()).answer(episode, call)
+        stored = await store_call(
+            self.database, episode, answered.segment, closed=answered.closed, idle_seconds=self.idle_seconds
+        )
+        if stored is None:
+            self.held.pop(episode.episode_id)
+        else:
+            self.held.put(episode.episode_id, stored)
+        return stored, answered.answer
+
+    async def finish(
+        self,
+        episode_id: str,
+        status: EpisodeStatus,
+        reward: float | None,
+        info: dict[str, Any],
+        error: str | None,
+    ) -> tuple[str, int]:
+        """Ends the episode as its agent says; returns its (batch id, group index). Raises
+        EpisodeClosed when it already ended."""
+        ended = await finish_agent_episode(self.database, episode_id, status, reward, info, error)
+        self.held.pop(episode_id)
+        if ended is None:
+            raise EpisodeClosed(f"episode {episode_id!r} already ended")
+        return ended

@@ -1,0 +1,163 @@
+"""The resources an app's lifespan composes, each an async context manager that builds it and
+releases it (whatever the release of another did): the database, the engine client, the group log,
+the episode worker; and the tokenizers, loaded now where episodes run, else on first use."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import cast
+
+from service.config import Settings
+from service.engine.client import AbortQuiet, SGLangClient, make_control_client
+from service.engine.transport import SocketTransport
+from service.engine.vllm import VLLMClient
+from service.envs.host import EnvHost
+from service.loop.runner import EpisodeRunner
+from service.loop.tokens import ChatTokenizer, HFTokenizer
+from service.loop.toolcalls import AUTO, format_of_template, get_parser
+from service.metrics import Metrics
+from service.shared import Lazy
+from service.storage.db import Database
+from service.worker.endings import Endings, ResultsSignal
+from service.worker.group_log import GroupLog
+from service.worker.worker import EpisodeWorker
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(settings: Settings) -> HFTokenizer:
+    from transformers import AutoTokenizer
+
+    # transformers' signatures are wider than the HFTokenizer protocol states; the calls match.
+    return cast(HFTokenizer, AutoTokenizer.from_pretrained(settings.tokenizer_path))
+
+
+def load_chat_tokenizer(settings: Settings, tokenizer: HFTokenizer | None = None) -> ChatTokenizer:
+    return ChatTokenizer(
+        tokenizer or load_tokenizer(settings),
+        tool_instruction=settings.tool_instruction,
+        template_tool_instruction=settings.template_tool_instruction,
+    )
+
+
+def tool_call_format(settings: Settings, tokenizer: HFTokenizer | None) -> str:
+    """TOOL_CALL_FORMAT, `auto` resolved from the tokenizer's chat template; raises ValueError (the
+    service does not start) for a name no parser has, or a template that shows no known format."""
+    if settings.tool_call_format != AUTO:
+        get_parser(settings.tool_call_format)
+        return settings.tool_call_format
+    template = getattr(tokenizer or load_tokenizer(settings), "chat_template", None) or ""
+    if isinstance(template, dict):  # several named templates
+        template = "\n".join(str(text) for text in template.values())
+    return format_of_template(str(template))
+
+
+@dataclass(frozen=True)
+class Tokenizers:
+    """The policy's tokenizer, its chat rendering and its tool-call format. Each is built once, on
+    first use: at start where episodes run (`load(now=True)`), else by the viewer or an agent."""
+
+    tokenizer: Lazy[HFTokenizer]
+    chat: Lazy[ChatTokenizer]
+    call_format: str  # TOOL_CALL_FORMAT, `auto` resolved
+
+    @classmethod
+    async def load(cls, settings: Settings, *, now: bool) -> Tokenizers:
+        tokenizer = Lazy(lambda: asyncio.to_thread(load_tokenizer, settings))
+
+        async def chat() -> ChatTokenizer:
+            return await asyncio.to_thread(load_chat_tokenizer, settings, await tokenizer.get())
+
+        loaded = await tokenizer.get() if now else None
+        call_format = await asyncio.to_thread(tool_call_format, settings, loaded)
+        logger.info("tool-call format: %s", call_format)
+        tokenizers = cls(tokenizer, Lazy(chat), call_format)
+        if now:
+            await tokenizers.chat.get()
+        return tokenizers
+
+
+@asynccontextmanager
+async def open_database(settings: Settings) -> AsyncIterator[Database]:
+    database = Database.open(
+        settings.database_url,
+        pool_size=settings.database_pool_size,
+        max_overflow=settings.database_max_overflow,
+        pool_timeout=settings.database_pool_timeout_seconds,
+    )
+    try:
+        if await database.check() != "ok":  # not fatal: the worker retries, /ready tells
+            logger.warning("the database does not answer at start: %s", database.status.describe())
+        yield database
+    finally:
+        await database.dispose()
+
+
+@asynccontextmanager
+async def engine_client(settings: Settings) -> AsyncIterator[SGLangClient]:
+    # The transport's connections are bounded by the client's max_inflight.
+    async with (
+        make_control_client(settings.engine_timeout_seconds) as http,
+        aclosing(SocketTransport()) as transport,
+    ):
+        client = VLLMClient if settings.engine == "vllm" else SGLangClient
+        yield client(
+            http,
+            settings.sglang_url,
+            max_inflight=settings.max_inflight_generates,
+            retries=settings.engine_retries,
+            backoff_seconds=settings.engine_backoff_seconds,
+            timeout_seconds=settings.engine_timeout_seconds,
+            worker_urls=settings.worker_url_list,
+            transport=transport,
+            abort_quiet=AbortQuiet(settings.engine_abort_quiet_seconds),
+        )
+
+
+@asynccontextmanager
+async def group_log(database: Database, metrics: Metrics, results: ResultsSignal) -> AsyncIterator[GroupLog]:
+    # Long-polls of /groups wake when this process logs groups (other processes' are polled).
+    log = GroupLog(database, metrics, on_logged=lambda completed: results.notify())
+    log.start()
+    try:
+        yield log
+    finally:
+        await log.stop()
+
+
+@asynccontextmanager
+async def episode_worker(
+    settings: Settings,
+    database: Database,
+    engine: SGLangClient,
+    tokenizers: Tokenizers,
+    endings: Endings,
+) -> AsyncIterator[EpisodeWorker]:
+    """The worker, running until the exit, when it drains before its env workers close."""
+    env_host = EnvHost(
+        settings.env_workers,
+        settings.env_executor,
+        settings.user_sim,
+        threads_per_worker=settings.env_threads_per_worker,
+        call_timeout_seconds=settings.env_call_timeout_seconds,
+    )
+    try:
+        runner = EpisodeRunner(
+            engine,
+            env_host,
+            await tokenizers.chat.get(),
+            get_parser(tokenizers.call_format),
+            max_turn_resumes=settings.max_turn_resumes,
+        )
+        worker = EpisodeWorker(settings, database, runner, on_finished=endings.result_stored)
+        worker.start()
+        try:
+            yield worker
+        finally:
+            await worker.stop()
+    finally:
+        await env_host.close()

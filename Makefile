@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint pytest openapi bench serve clean
+.PHONY: install demo demo-vllm test lint pytest openapi bench serve clean
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m service demo
+
+# The same against a real vLLM on the CPU with a tiny random-weight model (built once, cached).
+demo-vllm: $(STAMP)
+	scripts/demo_vllm.sh
 
 # Lint, type-check, check the layers (pyproject.toml's [tool.importlinter]), then the whole suite
 # on SQLite and on the local PostgreSQL (started if it is installed but down) with the viewer's
@@ -51,4 +55,4 @@ serve: $(STAMP)
 	$(BIN)/python -m service serve --migrate
 
 clean:
-	rm -rf $(VENV) demo.db rollouts.db .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) demo.db demo-vllm.db rollouts.db .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -44,7 +44,7 @@ def main(tokenizer_dir: Path, out: Path) -> None:
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
-        max_position_embeddings=4096,
+        max_position_embeddings=8192,
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=eos_id,

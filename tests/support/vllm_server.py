@@ -21,12 +21,19 @@ ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 300.0  # seen here: 26 s on an idle machine, about a minute under load
 ENSURE_TIMEOUT_SECONDS = 1800.0  # a first build downloads about 1 GB
 KV_CACHE_GIB = 1
+MAX_MODEL_LEN = 8192  # the pause test generates 6,000 tokens a turn after a prompt of about 1,100
 
 
 @dataclass(frozen=True)
 class VLLMServer:
     url: str
     model: str  # the model directory (its tokenizer is the service's test tokenizer)
+    log: Path  # its output: --enable-log-requests logs "Added request <engine id>" as each arrives
+
+    def added(self, engine_id_part: str) -> int:
+        """How many requests whose engine id holds `engine_id_part` the engine has taken so far."""
+        text = self.log.read_text(errors="replace")
+        return sum(1 for line in text.splitlines() if "Added request" in line and engine_id_part in line)
 
 
 def ensure_vllm() -> tuple[str, str]:
@@ -64,7 +71,7 @@ def vllm_server(log_path: Path) -> Iterator[VLLMServer]:
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model, "--served-model-name", "tiny", "--dtype", "float32",
         "--host", "127.0.0.1", "--port", str(port),
-        "--enable-scale-out", "--max-model-len", "4096", "--enforce-eager",
+        "--enable-scale-out", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
         "--logprobs-mode", "processed_logprobs", "--enable-log-requests",
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -85,7 +92,7 @@ def vllm_server(log_path: Path) -> Iterator[VLLMServer]:
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        yield VLLMServer(url, model)
+        yield VLLMServer(url, model, log_path)
     finally:
         _stop(process)
 

@@ -8,10 +8,10 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo demo-vllm test lint pytest openapi bench serve clean
 
-$(STAMP): pyproject.toml client/pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml examples/helpdesk_env/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev]" -e ./client
+	$(BIN)/python -m pip install --quiet -e ".[dev,reasoning-gym]" -e ./client -e ./examples/helpdesk_env
 	touch $(STAMP)
 
 install: $(STAMP)

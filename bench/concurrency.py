@@ -1,4 +1,4 @@
-"""Thousands of concurrent builtin/shop episodes through the real service against a slow engine.
+"""Thousands of concurrent episodes (builtin/shop, or `--env`) through the real service against a slow engine.
 
 The simulated SGLang worker runs in its own process (`python -m service sim-worker`) with a fixed
 latency per /generate, so every turn costs at least that latency. The service runs in this
@@ -10,6 +10,10 @@ overshoot), against the same probe on the idle loop before the service starts.
 
 Run from the repo root:
     .venv/bin/python bench/concurrency.py [--episodes 2000] [--latency 0.5] [--env-executor thread]
+        [--env helpdesk/it-support --split train] [--baseline-env builtin/shop --baseline-split test]
+With --baseline-env, the baseline runs first, then --env, each on a fresh database, and the JSON
+holds both and the ratio of their service CPU per turn (a plugin env against builtin/shop, say).
+The simulated worker plays builtin/shop's oracle, and any other env with its generic policy.
 The last line of output is one JSON object.
 """
 
@@ -179,6 +183,8 @@ async def _run(
     workers: int,
     max_inflight: int,
     max_wall: float,
+    env: str,
+    split: str,
 ) -> dict[str, Any]:
     idle = LagProbe()
     idle.start()
@@ -197,12 +203,14 @@ async def _run(
         log_level="WARNING",
         shutdown_timeout_seconds=0,  # at the deadline, cancel what still runs
     )
-    samples = max(1, episodes // SHOP_TEST_TASKS)
-    tasks = min(episodes, SHOP_TEST_TASKS)
-    total = tasks * samples
     recorder = GenerateRecorder()
     recorder.install()
     async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=600) as client:
+        split_sizes = {listed["name"]: listed["splits"] for listed in (await client.get("/envs")).json()}
+        size = split_sizes[env][split] if env != "builtin/shop" else SHOP_TEST_TASKS
+        samples = max(1, episodes // min(episodes, size))
+        tasks = min(episodes, size)
+        total = tasks * samples
         probe = LagProbe()
         probe.start()
         health = HealthProbe(url)
@@ -216,8 +224,8 @@ async def _run(
         response = await client.post(
             "/episodes",
             json={
-                "env": "builtin/shop",
-                "task_split": "test",
+                "env": env,
+                "task_split": split,
                 "task_indices": list(range(tasks)),
                 "samples_per_task": samples,
                 "sampling_params": {"temperature": 1.0, "max_new_tokens": 256},
@@ -262,6 +270,8 @@ async def _run(
     max_turns = max(turns, default=0)
     ideal_wall = max_turns * latency
     return {
+        "env": env,
+        "task_split": split,
         "episodes": total,
         "finished": finished,
         "complete": bool(batch["complete"]),
@@ -319,6 +329,8 @@ def run_bench(
     max_inflight: int | None = None,
     max_wall: float = 80.0,
     database: str = "sqlite",
+    env: str = "builtin/shop",
+    split: str = "test",
 ) -> dict[str, Any]:
     logging.getLogger().setLevel(logging.WARNING)
     counter = _LeaseCounter()
@@ -328,7 +340,15 @@ def run_bench(
     thresholds = gc.get_threshold()
     try:
         result = _run_bench(
-            episodes, latency, executor, workers, max_inflight or max(episodes, 2048), max_wall, database
+            episodes,
+            latency,
+            executor,
+            workers,
+            max_inflight or max(episodes, 2048),
+            max_wall,
+            database,
+            env,
+            split,
         )
         result["lost_lease_warnings"] = counter.lost
         return result
@@ -347,6 +367,8 @@ def _run_bench(
     max_inflight: int,
     max_wall: float,
     database: str,
+    env: str,
+    split: str,
 ) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp,
@@ -364,6 +386,8 @@ def _run_bench(
                 workers=workers,
                 max_inflight=max_inflight,
                 max_wall=max_wall,
+                env=env,
+                split=split,
             )
         )
         result["database"] = database
@@ -378,8 +402,8 @@ def report(r: dict[str, Any]) -> str:
     )
     return "\n".join(
         [
-            done
-            + f"{r['episodes']} episodes of builtin/shop, engine latency {r['latency_s']} s per generate, "
+            done + f"{r['episodes']} episodes of {r['env']} ({r['task_split']}), "
+            f"engine latency {r['latency_s']} s per generate, "
             f"env executor {r['env_executor']} x {r['env_workers']}, {r['cpus']} CPUs, "
             f"max_inflight_generates {r['max_inflight_generates']}, {r['database']}",
             f"wall      {r['wall_s']:.2f} s (ideal {r['ideal_wall_s']:.2f} s = {r['max_turns']} turns x "
@@ -420,21 +444,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--max-wall", type=float, default=80.0, help="stop waiting after this many seconds")
     parser.add_argument("--quick", action="store_true", help="50 episodes, 0.05 s latency (smoke test)")
+    parser.add_argument("--env", default="builtin/shop", help="The environment (any of GET /envs).")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--baseline-env", default=None, help="Run this env first, the same way, and compare.")
+    parser.add_argument("--baseline-split", default="test")
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.latency = 50, 0.05
-    result = run_bench(
-        args.episodes,
-        args.latency,
-        args.env_executor,
-        args.env_workers,
-        args.max_inflight,
-        args.max_wall,
-        args.database,
-    )
-    print(report(result))
-    print(json.dumps(result))
-    return result
+
+    def run(env: str, split: str) -> dict[str, Any]:
+        return run_bench(
+            args.episodes,
+            args.latency,
+            args.env_executor,
+            args.env_workers,
+            args.max_inflight,
+            args.max_wall,
+            args.database,
+            env,
+            split,
+        )
+
+    if args.baseline_env is None:
+        result = run(args.env, args.split)
+        print(report(result))
+        print(json.dumps(result))
+        return result
+    baseline = run(args.baseline_env, args.baseline_split)
+    print(report(baseline))
+    measured = run(args.env, args.split)
+    print(report(measured))
+    ratio = measured["service_cpu_ms_per_turn"] / max(baseline["service_cpu_ms_per_turn"], 1e-9)
+    compared = {
+        "env": args.env,
+        "baseline_env": args.baseline_env,
+        "service_cpu_ms_per_turn": measured["service_cpu_ms_per_turn"],
+        "baseline_service_cpu_ms_per_turn": baseline["service_cpu_ms_per_turn"],
+        "service_cpu_per_turn_ratio": round(ratio, 3),
+        "runs": {"baseline": baseline, "env": measured},
+    }
+    print(f"service CPU per turn: {args.env} / {args.baseline_env} = {ratio:.3f}")
+    print(json.dumps(compared))
+    return compared
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from service.storage.models import Episode  # noqa: E402
 
 SAMPLES = 8  # per task: a GRPO group
 SLIME_ABORT_RETRY_SECONDS = 3.0
+IN_FLIGHT_TIMEOUT_SECONDS = 60.0  # from the submit until some turn is at the engine
 GOAL = "0 episodes lost and 0 tokens sampled twice across the weight updates"
 
 
@@ -57,6 +58,12 @@ def sampled_by_engine(sim: SimWorker) -> dict[str, int]:
             episode_id = request.rid.split(":")[0]
             counts[episode_id] = counts.get(episode_id, 0) + tokens
     return counts
+
+
+async def wait_for_a_turn_in_flight(sim: SimWorker, deadline: float) -> None:
+    # The simulated worker serves from its own thread: polled, as no event of this loop can tell.
+    while sim.running == 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)
 
 
 async def run_batch(
@@ -87,9 +94,13 @@ async def run_batch(
                 "max_turns": 30,
             }
             assert (await http.post("/episodes", json=body)).status_code == 202
+            submitted = time.monotonic()
             loops = []
             for version in range(1, updates + 1):
                 await asyncio.sleep(interval)
+                # An update cuts the turns in flight: wait for one (a loaded machine may still be
+                # claiming), so that every update cuts something and the figures are never empty.
+                await wait_for_a_turn_in_flight(sim, submitted + IN_FLIGHT_TIMEOUT_SECONDS)
                 started = time.monotonic()
                 rounds = await abort_servers_until_idle([sim_url], SLIME_ABORT_RETRY_SECONDS)
                 loops.append({"rounds": rounds[0], "seconds": round(time.monotonic() - started, 2)})

@@ -48,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--port", type=int, default=30000)
     sim.add_argument("--latency", type=float, default=0.02, help="Seconds per request.")
     sim.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the test tokenizer).")
+    sim.add_argument(
+        "--policy",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="The policy, a function (prompt text, episode key) -> the assistant's next text (default: "
+        "builtin/shop's oracle, and for any other env each tool called once with valid arguments, "
+        "then an answer).",
+    )
     openapi = commands.add_parser("openapi", help="Write the API's OpenAPI document as YAML.")
     openapi.add_argument("--output", type=Path, default=None, help="File to write (default: stdout).")
     args = parser.parse_args(argv)
@@ -110,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         sim_config = SimConfig(latency_seconds=args.latency, request_log_limit=SIM_CLI_REQUEST_LOG)
         if args.tokenizer:
             sim_config = replace(sim_config, tokenizer_path=args.tokenizer)
+        if args.policy:
+            from service.envs.plugins import load_function
+
+            sim_config = replace(sim_config, policy=load_function(args.policy))
         sim_main(args.host, args.port, sim_config)
     elif args.command == "openapi":
         from service.openapi import openapi_yaml

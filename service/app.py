@@ -22,7 +22,7 @@ from service.api.ui import install_pages
 from service.app_state import Services
 from service.config import Settings
 from service.engine.pause import EnginePause
-from service.envs.registry import available_envs
+from service.envs.registry import available_envs, with_loaders
 from service.loop.tokens import TokenTexts
 from service.loop.toolcalls import get_parser
 from service.metrics import Metrics
@@ -64,9 +64,10 @@ async def lifespan(
         await resources.enter_async_context(aclosing(pause))
         tokenizers = await Tokenizers.load(settings, now=settings.run_worker)
         worker = None
+        envs = with_loaders(available_envs(), settings.env_plugin_list)
         if settings.run_worker:
             worker = await resources.enter_async_context(
-                episode_worker(settings, database, engine, tokenizers, endings)
+                episode_worker(settings, database, engine, tokenizers, endings, envs)
             )
 
         async def agent_turns() -> AgentTurns:
@@ -78,7 +79,7 @@ async def lifespan(
             settings=settings,
             database=database,
             engine=engine,
-            envs=available_envs(),
+            envs=envs,
             metrics=metrics,
             results=results,
             endings=endings,

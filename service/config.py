@@ -164,6 +164,19 @@ class Settings(BaseSettings):
         default=30.0, ge=0, description="On SIGTERM, how long in-flight episodes may run before release."
     )
 
+    # Environment plugins (service/envs/plugins.py): installed packages' `rollout_service.envs` entry
+    # points load by themselves; these are for local work without packaging.
+    env_plugins: str = Field(
+        default="",
+        description="Comma-separated `module:function` loaders of environment plugins (each function "
+        "returns EnvSpecs), loaded in every service process as entry points are; env worker processes "
+        "import each spec's factory by its module.",
+    )
+
+    @property
+    def env_plugin_list(self) -> list[str]:
+        return [loader.strip() for loader in self.env_plugins.split(",") if loader.strip()]
+
     # Engine calls.
     engine_timeout_seconds: float = Field(default=600.0, gt=0, description="Timeout of one /generate call.")
     engine_retries: int = Field(default=5, ge=0, description="Retries of a connection error or 5xx.")

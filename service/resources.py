@@ -15,6 +15,7 @@ from service.config import Settings
 from service.engine.client import AbortQuiet, SGLangClient, make_control_client
 from service.engine.transport import SocketTransport
 from service.engine.vllm import VLLMClient
+from service.envs.base import EnvSpec
 from service.envs.host import EnvHost
 from service.loop.runner import EpisodeRunner
 from service.loop.tokens import ChatTokenizer, HFTokenizer
@@ -136,14 +137,17 @@ async def episode_worker(
     engine: SGLangClient,
     tokenizers: Tokenizers,
     endings: Endings,
+    envs: dict[str, EnvSpec],
 ) -> AsyncIterator[EpisodeWorker]:
-    """The worker, running until the exit, when it drains before its env workers close."""
+    """The worker, running until the exit, when it drains before its env workers close; its env
+    workers run `envs` (plugins included)."""
     env_host = EnvHost(
         settings.env_workers,
         settings.env_executor,
         settings.user_sim,
         threads_per_worker=settings.env_threads_per_worker,
         call_timeout_seconds=settings.env_call_timeout_seconds,
+        envs=envs,
     )
     try:
         runner = EpisodeRunner(

@@ -17,7 +17,13 @@ from tests.conftest import service_settings
 
 SQLITE_ONLY = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # auth is not about storage
 KEYS = ("k1", "k2")
-SUBMISSION = {"env": "builtin/shop", "task_indices": [0], "samples_per_task": 1, "batch_id": "auth"}
+SUBMISSION = {
+    "env": "builtin/shop",
+    "task_split": "test",
+    "task_indices": [0],
+    "samples_per_task": 1,
+    "batch_id": "auth",
+}
 OPEN_WARNING = "API_KEYS is not set"
 
 

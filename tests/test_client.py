@@ -94,7 +94,9 @@ async def test_sync_client_submits_waits_and_pulls_exact_arrays(client: httpx.As
         with RolloutClient(str(client.base_url)) as rollouts:
             assert "builtin/shop" in {env["name"] for env in rollouts.envs()}
             # numpy integers, as a trainer holds task indices, go as JSON numbers
-            submitted = rollouts.submit("builtin/shop", np.arange(TASKS), samples_per_task=SAMPLES)
+            submitted = rollouts.submit(
+                "builtin/shop", np.arange(TASKS), samples_per_task=SAMPLES, task_split="test"
+            )
             assert submitted.batch_id.startswith("b-")  # generated: every submit carries one
             rollouts.wait(submitted.batch_id, timeout=60)
             return rollouts.batch(submitted.batch_id)
@@ -105,7 +107,13 @@ async def test_sync_client_submits_waits_and_pulls_exact_arrays(client: httpx.As
 async def test_clients_follow_the_stream_of_complete_groups(client: httpx.AsyncClient) -> None:
     def follow() -> list[tuple[str, int]]:
         with RolloutClient(str(client.base_url)) as rollouts:
-            rollouts.submit("builtin/shop", list(range(TASKS)), samples_per_task=SAMPLES, batch_id="stream")
+            rollouts.submit(
+                "builtin/shop",
+                list(range(TASKS)),
+                samples_per_task=SAMPLES,
+                task_split="test",
+                batch_id="stream",
+            )
             seen: list[tuple[str, int]] = []
             cursor = 0
             while len(seen) < TASKS:
@@ -155,10 +163,16 @@ async def test_a_retried_submit_gets_the_same_episodes(client: httpx.AsyncClient
     transport = LoseFirstAnswer()
     http = httpx.AsyncClient(base_url=str(client.base_url), transport=transport)
     async with AsyncRolloutClient(str(client.base_url), http=http, backoff=0.01) as rollouts:
-        submitted = await rollouts.submit("builtin/shop", range(TASKS), samples_per_task=SAMPLES)
+        submitted = await rollouts.submit(
+            "builtin/shop", range(TASKS), samples_per_task=SAMPLES, task_split="test"
+        )
         assert transport.posts == 2 and not submitted.created  # the retry found the first one's batch
         again = await rollouts.submit(
-            "builtin/shop", range(TASKS), samples_per_task=SAMPLES, batch_id=submitted.batch_id
+            "builtin/shop",
+            range(TASKS),
+            samples_per_task=SAMPLES,
+            task_split="test",
+            batch_id=submitted.batch_id,
         )
         assert again.episode_ids == submitted.episode_ids
     stored = await episodes_of(db, submitted.batch_id)
@@ -252,7 +266,9 @@ async def test_cancel_and_wait_timeout(database_url: str, db: Database, tmp_path
         service_process(tmp_path, database_url, sglang_url, max_running_episodes=2) as service,
         AsyncRolloutClient(service.url) as rollouts,
     ):
-        submitted = await rollouts.submit("builtin/shop", range(TASKS), samples_per_task=SAMPLES)
+        submitted = await rollouts.submit(
+            "builtin/shop", range(TASKS), samples_per_task=SAMPLES, task_split="test"
+        )
         with pytest.raises(WaitTimeout):
             await rollouts.wait(submitted.batch_id, timeout=0.5)
         cancelled = await rollouts.cancel(submitted.batch_id)
@@ -271,7 +287,9 @@ async def test_wait_outlives_a_service_restart(database_url: str, db: Database, 
     async with simulated_sglang(latency_seconds=0.2) as (sim, sglang_url):
         async with service_process(tmp_path, database_url, sglang_url, "first", port=port) as first:
             rollouts = RolloutClient(first.url, backoff=0.2, max_backoff=1.0)
-            submitted = rollouts.submit("builtin/shop", list(range(TASKS)), samples_per_task=SAMPLES)
+            submitted = rollouts.submit(
+                "builtin/shop", list(range(TASKS)), samples_per_task=SAMPLES, task_split="test"
+            )
 
             def wait() -> None:
                 try:

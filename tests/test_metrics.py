@@ -47,6 +47,7 @@ async def test_metrics_agree_with_the_stored_batch(client: httpx.AsyncClient, db
     body: dict[str, Any] = {
         "batch_id": "metrics",
         "env": "builtin/shop",
+        "task_split": "test",
         "task_indices": list(range(TASKS)),
         "samples_per_task": SAMPLES,
         "sampling_params": {"max_new_tokens": 200},

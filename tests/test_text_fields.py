@@ -1,7 +1,8 @@
 """Every text field of every operation in openapi.yaml, sent a NUL and a lone surrogate, on both
 databases: the answer is a 4xx naming the field, or the request is taken and the value reads back
-intact. Never a 5xx, and never an answer that differs between SQLite and PostgreSQL (PostgreSQL's
-text cannot hold NUL; no database can encode a lone surrogate).
+intact (or, where it is not stored, is echoed or sent on intact). Never a 5xx, and never an answer
+that differs between SQLite and PostgreSQL (PostgreSQL's text cannot hold NUL; no database can
+encode a lone surrogate).
 
 The fields come from the contract, so a field added later is covered or this test names it: each
 operation has example requests here, and together they must hold a string at every place the
@@ -260,7 +261,10 @@ def assert_refused_naming(response: httpx.Response, field: Path_, where: str) ->
 
 
 @pytest.mark.parametrize("text", [NUL, SURROGATE], ids=["nul", "lone-surrogate"])
-async def test_every_body_text_is_refused_or_reads_back(http: httpx.AsyncClient, text: str) -> None:
+async def test_every_body_text_is_refused_or_reads_back(
+    http: httpx.AsyncClient, sim: tuple[SimWorker, str], text: str
+) -> None:
+    engine = sim[0]
     accepted = []
     for label, bodies in BODIES.items():
         method, route = label.split(" ", 1)
@@ -285,7 +289,14 @@ async def test_every_body_text_is_refused_or_reads_back(http: httpx.AsyncClient,
                 if label == "POST /engine/pause":
                     await http.post("/engine/continue")
                     continue
-                texts = await read_back(http, batch_id, episode_id)
+                # Stored and read back; or, not stored, echoed in the answer (an agent's `model`) or
+                # sent to the engine as given (an agent's `stop`).
+                sent_to_engine = [text for request in engine.requests for text in texts_in(request.body)]
+                texts = [
+                    *texts_in(response.json()),
+                    *await read_back(http, batch_id, episode_id),
+                    *sent_to_engine,
+                ]
                 assert any(text in stored for stored in texts), (label, leaf, "taken but not read back")
                 accepted.append((label, leaf))
     if text == SURROGATE:

@@ -146,7 +146,12 @@ async def test_episodes_on_the_vllm_protocol_meet_the_trainer_contract(
     async with serve_app(app) as base, httpx.AsyncClient(base_url=base, timeout=30) as client:
         refused = await client.post(
             "/episodes",
-            json={"env": "builtin/shop", "task_indices": [0], "sampling_params": {"stop_regex": ["x"]}},
+            json={
+                "env": "builtin/shop",
+                "task_split": "test",
+                "task_indices": [0],
+                "sampling_params": {"stop_regex": ["x"]},
+            },
         )
         assert refused.status_code == 422, refused.text
         assert "stop_regex" in refused.text and "vLLM" in refused.text
@@ -154,6 +159,7 @@ async def test_episodes_on_the_vllm_protocol_meet_the_trainer_contract(
             "/episodes",
             json={
                 "env": "builtin/shop",
+                "task_split": "test",
                 "task_indices": [0, 1],
                 "samples_per_task": 2,
                 "sampling_params": {"temperature": 0.7, "max_new_tokens": 200},

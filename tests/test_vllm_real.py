@@ -147,6 +147,7 @@ async def test_loop_episodes_meet_the_trainer_contract_and_the_engines_scoring(
             "/episodes",
             json={
                 "env": "builtin/shop",
+                "task_split": "test",
                 "task_indices": [0, 1],
                 "samples_per_task": 2,
                 "sampling_params": {"max_new_tokens": 48} | SAMPLING,
@@ -228,6 +229,7 @@ async def test_a_pause_during_a_turn_loses_nothing_and_samples_nothing_twice(
             "/episodes",
             json={
                 "env": "builtin/shop",
+                "task_split": "test",
                 "task_indices": [0],
                 "sampling_params": {"max_new_tokens": PAUSED_TURN_TOKENS, "ignore_eos": True} | SAMPLING,
                 "max_turns": 1,

@@ -151,7 +151,8 @@ class RolloutClient:
     def submit(self, env: str, task_indices: Sequence[int], **fields: Unpack[SubmitFields]) -> Submission:
         """POST /episodes: `samples_per_task`, `task_split`, `sampling_params`, `max_turns`,
         `max_response_tokens`, `metadata`, `batch_id` (generated when absent) as keywords; a
-        field left out (or None) takes the service's default."""
+        field left out (or None) takes the service's default. `task_split` is required unless the
+        env declares its training split (`train_split` in envs())."""
         return self._run(self._api.submit(env, task_indices, fields))
 
     def wait(self, batch_id: str, timeout: float | None = None, *, poll: float = 30.0) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field
 
 from service.api.schemas import REQUEST_CONFIG
-from service.api.values import Text, storable_json
+from service.api.values import Label, storable_json
 
 
 class FinishEpisode(BaseModel):
@@ -18,7 +18,7 @@ class FinishEpisode(BaseModel):
     info: Annotated[dict[str, Any], AfterValidator(storable_json)] = Field(
         default_factory=dict, description="Merged into the episode's info."
     )
-    error: Text | None = Field(default=None, max_length=10_000)
+    error: Label | None = Field(default=None, max_length=10_000)
 
 
 class FinishedOut(BaseModel):

@@ -23,6 +23,8 @@ async def list_envs(services: ServicesDep) -> list[EnvOut]:
             splits=dict(spec.splits),
             unavailable=dict(spec.unavailable),
             judged_tasks={split: len(tasks) for split, tasks in spec.judged_tasks.items() if tasks},
+            train_split=spec.train_split,
+            source=spec.source,
         )
         for spec in services.envs.values()
     ] + [EXTERNAL]

@@ -34,6 +34,7 @@ from service.api.token_view import episode_token_view
 from service.app_state import Services
 from service.config import Settings
 from service.engine.vllm import unsupported_by_vllm
+from service.envs.plugins import failed_plugin_for
 from service.records import EXTERNAL_ENV, FINISHED_STATUSES, EpisodeRequest
 from service.storage.batches import BatchConflict, NewBatch, NewEpisode, submit_batch
 from service.storage.models import Episode, EpisodeSegment
@@ -61,7 +62,9 @@ def request_hash(body: SubmitEpisodes) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def validate_submission(body: SubmitEpisodes, services: Services) -> None:
+def validate_submission(body: SubmitEpisodes, services: Services) -> SubmitEpisodes:
+    """Refuses what cannot run (a 422 naming the field); the body with its `task_split` filled in
+    where the env declares its training split."""
     if services.settings.engine == "vllm":
         params = body.sampling_params.to_sglang()
         if (name := unsupported_by_vllm(params)) is not None:
@@ -70,14 +73,22 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> None:
             )
     if body.env == EXTERNAL_ENV:  # the agent's own tasks: their indices and split are its labels
         _check_size(body, services)
-        return
-    spec = services.envs.get(body.env)
+        return body if body.task_split is not None else body.model_copy(update={"task_split": ""})
+    spec = services.envs.get(body.env) or failed_plugin_for(services.envs, body.env)
     if spec is None:
         raise InvalidRequest.field(
             ["env"], f"unknown environment {body.env!r}; known: {sorted(services.envs)}"
         )
     if "*" in spec.unavailable:  # no split can run: it says why
         raise InvalidRequest.field(["env"], f"{body.env} cannot run here: {spec.unavailable['*']}")
+    if body.task_split is None:
+        if spec.train_split is None:
+            raise InvalidRequest.field(
+                ["task_split"],
+                f"task_split is required: {body.env} declares no training split to default to; "
+                f"its splits: {sorted(spec.splits)}",
+            )
+        body = body.model_copy(update={"task_split": spec.train_split})
     if body.task_split not in spec.splits:
         raise InvalidRequest.field(
             ["task_split"], f"{body.env} has no split {body.task_split!r}; known: {sorted(spec.splits)}"
@@ -103,6 +114,7 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> None:
                 "basis has NL_ASSERTION) and this service has none: set JUDGE_BASE_URL and JUDGE_MODEL",
             )
     _check_size(body, services)
+    return body
 
 
 def _check_size(body: SubmitEpisodes, services: Services) -> None:
@@ -114,13 +126,15 @@ def _check_size(body: SubmitEpisodes, services: Services) -> None:
 
 
 def new_batch(body: SubmitEpisodes, settings: Settings) -> NewBatch:
+    """The batch of a validated body (its task_split filled in by validate_submission)."""
     sampling_params = body.sampling_params.to_sglang()
+    task_split = body.task_split or ""
     return NewBatch(
         agent_idle_seconds=settings.external_idle_seconds if body.env == EXTERNAL_ENV else None,
         batch_id=body.batch_id or uuid.uuid4().hex,
         request_hash=request_hash(body),
         env=body.env,
-        task_split=body.task_split,
+        task_split=task_split,
         metadata=body.metadata,
         episodes=[
             NewEpisode(
@@ -128,7 +142,7 @@ def new_batch(body: SubmitEpisodes, settings: Settings) -> NewBatch:
                 sample,
                 EpisodeRequest(
                     env=body.env,
-                    task_split=body.task_split,
+                    task_split=task_split,
                     task_index=task_index,
                     sampling_params=sampling_params,
                     max_turns=body.max_turns,
@@ -157,8 +171,7 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep, request: 
     """Queue `samples_per_task` episodes of each task; the samples of one task form one group.
     Env `external`: the episodes wait for external agents instead, each at its own OpenAI
     endpoint (`agents`); `task_indices` and `task_split` are then the caller's labels."""
-    validate_submission(body, services)
-    batch = new_batch(body, services.settings)
+    batch = new_batch(validate_submission(body, services), services.settings)
     try:
         submission = await submit_batch(services.database, batch)
     except BatchConflict as error:

@@ -14,7 +14,7 @@ from service.api.deps import ServicesDep, long_poll
 from service.api.errors import DatabaseUnavailable, responses
 from service.api.schemas import BATCH_ID_PATTERN, INT32_MAX, GroupsOut
 from service.api.streaming import arrow_stream
-from service.api.values import Text
+from service.api.values import Label
 from service.app_state import Services
 from service.storage import groups
 from service.storage.batch_rows import open_group_rows
@@ -70,7 +70,9 @@ async def get_groups(
             f"{MAX_BATCH_IDS}).",
         ),
     ] = None,
-    env: Annotated[Text | None, Query(max_length=128, description="Only groups of this environment.")] = None,
+    env: Annotated[
+        Label | None, Query(max_length=128, description="Only groups of this environment.")
+    ] = None,
     min_reward_std: Annotated[
         float | None,
         Query(

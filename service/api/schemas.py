@@ -15,7 +15,15 @@ from pydantic import (
     model_validator,
 )
 
-from service.api.values import JSON_INTEGER, MAX_JSON_DEPTH, Integer, Text, field_error, storable_json
+from service.api.values import (
+    JSON_INTEGER,
+    MAX_JSON_DEPTH,
+    Integer,
+    Label,
+    Text,
+    field_error,
+    storable_json,
+)
 from service.records import DEFAULT_MAX_NEW_TOKENS, EpisodeStatus, TurnRecord
 
 # Batch ids, and the ids the service generates (uuid hex): ASCII, so that any database stores them.
@@ -139,8 +147,13 @@ class SubmitEpisodes(BaseModel):
         description="Idempotency key; generated if absent. The same batch_id with the same body "
         "answers the same episodes; with another body, 409.",
     )
-    env: Text = Field(description="An environment name from GET /envs.")
-    task_split: Text = Field(default="test", description="A split of that environment.")
+    env: Label = Field(description="An environment name from GET /envs.")
+    task_split: Label | None = Field(
+        default=None,
+        description="A split of that environment. Required unless the environment declares its training "
+        "split (`train_split` in GET /envs), which it then runs: there is no silent default. Env "
+        "`external`: a label, empty if absent.",
+    )
     task_indices: list[Annotated[int, Field(ge=0), JSON_INTEGER]] = Field(
         min_length=1, description="Tasks to run (indices in the split); each is one group."
     )
@@ -389,12 +402,22 @@ class EnvOut(BaseModel):
     unavailable: dict[str, str] = Field(
         default_factory=dict,
         description="Splits that cannot run on this install, and why (the data file it lacks); "
-        "submitting them is a 422 saying so.",
+        "submitting them is a 422 saying so. Key `*`: the environment cannot run at all (a plugin that "
+        "failed to load, or an invalid spec), and why.",
     )
     judged_tasks: dict[str, int] = Field(
         default_factory=dict,
         description="Per split, how many tasks need an LLM judge for their reward (tau2's NL_ASSERTION): "
         "refused at submit unless JUDGE_BASE_URL is set.",
+    )
+    train_split: str | None = Field(
+        default=None,
+        description="The split a submit without `task_split` runs; null: every submit names its split.",
+    )
+    source: str = Field(
+        default="builtin",
+        description="Where the environment comes from: builtin, or a plugin (its entry point and "
+        "package, or its ENV_PLUGINS loader).",
     )
 
 

@@ -3,12 +3,13 @@ depth. Whatever is accepted is stored and read back intact on every database; th
 naming the field.
 
 Two rules, each stated once here:
-- `Text`, every str field and query filter a request names (labels, filters, stop strings, errors):
-  Unicode text without NUL. PostgreSQL's text cannot hold U+0000 (SQLite can), so a NUL in a label
-  would be a 500 on one database and stored on the other; it is refused on both instead.
-  service/storage/models.py's `TextColumn` keeps the same rule at the columns themselves.
-- Free-form JSON (`storable_json`: metadata, info, agents' messages): NUL is kept (JSON escapes it),
-  only what JSON cannot encode is refused (lone surrogates, NaN, infinities, nesting past the bound)."""
+- `Text`, every str field a request names: Unicode text (no lone surrogate, which has no UTF-8
+  form). Free-form JSON (`storable_json`: metadata, info, agents' messages) keeps the same rule at
+  any depth, and refuses NaN, infinities and nesting past the bound. NUL is text: JSON escapes it.
+- `Label`, a `Text` the service keeps in a text column of its own (an env name, a split, a query
+  filter on them, an agent's error): no NUL either. PostgreSQL's text cannot hold U+0000 (SQLite
+  can), so a NUL there would be a 500 on one database and stored on the other; both refuse it.
+  service/storage/models.py's `TextColumn` keeps the same rule at the columns themselves."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def text_problem(text: str) -> str | None:
 
 
 def label_problem(text: str) -> tuple[str, str] | None:
-    """(error type, message) of why `text` cannot be a str field (stored in a text column), or None."""
+    """(error type, message) of why `text` cannot be kept in a text column, or None."""
     problem = text_problem(text)
     if problem is not None:
         return "lone_surrogate", problem
@@ -62,14 +63,21 @@ def escaped(text: str) -> str:
 
 
 def _check_text(text: str) -> str:
+    problem = text_problem(text)
+    if problem is not None:
+        raise PydanticCustomError("lone_surrogate", problem)
+    return text
+
+
+def _check_label(text: str) -> str:
     problem = label_problem(text)
     if problem is not None:
         raise PydanticCustomError(*problem)
     return text
 
 
-# Every str field and str query parameter of a request: Unicode text without NUL (module docstring).
-Text = Annotated[str, AfterValidator(_check_text)]
+Text = Annotated[str, AfterValidator(_check_text)]  # every str field of a request (module docstring)
+Label = Annotated[str, AfterValidator(_check_label)]  # a str the service keeps in a text column
 
 
 def _json_integer(value: Any) -> Any:

@@ -1,4 +1,5 @@
-"""The environment protocol every domain implements (built-in, tau-bench, ...)."""
+"""The environment protocol every domain implements (built-in, tau-bench, plugins). Env authors
+import it from `service.envs.api`, its public face."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 RESPOND_ACTION_NAME = "respond"
+# The version of this protocol (Environment, Reset, Step, EnvSpec). A spec declares the version it
+# was written for; the registry refuses a spec of a version this service does not speak.
+PROTOCOL_VERSION = 1
+SUPPORTED_PROTOCOLS = frozenset({1})
 
 
 @dataclass(frozen=True)
@@ -116,3 +121,8 @@ class EnvSpec:
     unavailable: dict[str, str] = field(default_factory=dict)
     # Per split, the tasks whose reward needs an LLM judge: refused at submit when none is configured.
     judged_tasks: dict[str, frozenset[int]] = field(default_factory=dict)
+    # The split a submit without `task_split` runs; None: every submit must name its split.
+    train_split: str | None = None
+    protocol: int = PROTOCOL_VERSION  # the env protocol version the spec was written for
+    # Where the spec came from, for GET /envs: "builtin", "entry point NAME (dist VERSION)", ...
+    source: str = "builtin"

@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from service.envs.base import Action, Environment, Reset, Step, UserSimConfig
+from service.envs.checks import check_reset, check_step, check_tools
 from service.envs.errors import EnvError
 
 T = TypeVar("T")
@@ -104,17 +105,35 @@ def _guarded(fn: Callable[..., T], *args: Any) -> T:
 def open_env(
     key: str, factory: Callable[[str, UserSimConfig], Environment], split: str, user_sim: UserSimConfig
 ) -> tuple[str, list[dict[str, Any]], int]:
-    env = _guarded(factory, split, user_sim)
+    env = _guarded(_build, factory, split, user_sim)
     _ENVS[key] = env
     return env.system_prompt, env.tools, os.getpid()
 
 
+def _build(
+    factory: Callable[[str, UserSimConfig], Environment], split: str, user_sim: UserSimConfig
+) -> Environment:
+    env = factory(split, user_sim)
+    check_tools(getattr(env, "system_prompt", None), getattr(env, "tools", None))
+    return env
+
+
 def reset_env(key: str, task_index: int) -> Reset:
-    return _guarded(_ENVS[key].reset, task_index)
+    # Checked here, in the worker: an answer the service cannot use or store fails this call,
+    # with a message saying what is wrong, before anything of it is recorded.
+    return _guarded(_checked_reset, _ENVS[key], task_index)
 
 
 def step_env(key: str, action: Action) -> Step:
-    return _guarded(_ENVS[key].step, action)
+    return _guarded(_checked_step, _ENVS[key], action)
+
+
+def _checked_reset(env: Environment, task_index: int) -> Reset:
+    return check_reset(env.reset(task_index))
+
+
+def _checked_step(env: Environment, action: Action) -> Step:
+    return check_step(env.step(action))
 
 
 def close_env(key: str) -> None:

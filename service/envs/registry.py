@@ -1,11 +1,11 @@
-"""The environments this service can run: the built-in ones, plus tau-bench's and tau2-bench's when
-they are installed."""
+"""The environments this service can run: the built-in ones, tau-bench's and tau2-bench's when
+they are installed, and plugins' (packages' entry points, and the ENV_PLUGINS setting's loaders)."""
 
 from __future__ import annotations
 
 import importlib.util
 
-from service.envs import tau2, tau2_data
+from service.envs import plugins, tau2, tau2_data
 from service.envs.base import EnvSpec
 from service.envs.tau import airline_env, retail_env
 
@@ -82,12 +82,22 @@ def builtin_envs() -> list[EnvSpec]:
     return list(BUILTIN_ENVS)
 
 
-def available_envs() -> dict[str, EnvSpec]:
+def available_envs(loaders: tuple[str, ...] | list[str] = ()) -> dict[str, EnvSpec]:
     """Every environment by name: the built-in ones always, tau-bench's if `tau_bench` is importable,
-    tau2-bench's if its `tau2` is."""
+    tau2-bench's if its `tau2` is, then those of installed plugins (entry points) and of `loaders`
+    (`module:function`, the ENV_PLUGINS setting). A plugin that fails is listed unavailable, with
+    its error; it never stops the service."""
     specs = builtin_envs()
     if tau_bench_installed():
         specs.extend(TAU_BENCH_ENVS)
     if tau2_data.tau2_installed():
         specs.extend(tau2_envs())
-    return {spec.name: spec for spec in specs}
+    catalog = {spec.name: spec for spec in specs}
+    plugins.add_plugins(catalog, plugins.entry_point_sources())
+    return with_loaders(catalog, loaders)
+
+
+def with_loaders(catalog: dict[str, EnvSpec], loaders: tuple[str, ...] | list[str]) -> dict[str, EnvSpec]:
+    """`catalog` with the specs of `loaders` (`module:function`, the ENV_PLUGINS setting) added."""
+    plugins.add_plugins(catalog, plugins.loader_sources(loaders))
+    return catalog

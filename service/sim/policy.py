@@ -1,8 +1,10 @@
 """The simulated worker's policy: pure functions of the prompt text and the episode's seed.
 
 It decodes a ChatML prompt, finds the `builtin/shop` task by its first user message, and plays the
-task's oracle plan with seeded mistakes; outputs are token ids the way real sampling gives them,
-not always the canonical tokenization of the text.
+task's oracle plan with seeded mistakes; any other conversation gets the generic policy: each of
+the prompt's tools called once (up to GENERIC_TOOL_CALLS) with arguments valid for its schema, then
+an answer. `SimConfig.policy` (`sim-worker --policy module:function`) replaces both. Outputs are
+token ids the way real sampling gives them, not always the canonical tokenization of the text.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ from tokenizers import Tokenizer
 
 from service.config import TEST_TOKENIZER_DIR
 from service.envs.base import RESPOND_ACTION_NAME, Action
-from service.envs.builtin.shop import REASONS, oracle_plan, task_by_instruction
+from service.envs.builtin.shop import REASONS, TOOL_FUNCTIONS, oracle_plan, task_by_instruction
 from service.records import rid_attempt_key
+from service.sim.arguments import arguments_for
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 TOOL_RESPONSE = "<tool_response>"
-UNKNOWN_REPLY = "Hello! I am a simulated assistant. How can I help you today?"
+UNKNOWN_REPLY = "Hello! I am a simulated assistant. How can I help you today?"  # no tools to call
+GENERIC_ANSWER = "I have checked everything I can with the tools. Goodbye."
+GENERIC_TOOL_CALLS = 3  # tool calls the generic policy makes before it answers
+TOOLS_START, TOOLS_END = "<tools>", "</tools>"
 AFTER_PLAN_REPLY = "Thank you for contacting us. Goodbye."
 RAMBLE_SENTENCE = "Let me think about this once more, step by step, to be completely sure. "
 WRONG_REASON = "changed my mind"  # not one of shop.REASONS: the tool refuses it
@@ -83,13 +89,47 @@ def _wrong_arguments(action: Action) -> Action:
     return Action(action.name, kwargs)
 
 
+def prompt_tools(messages: list[tuple[str, str, bool]]) -> list[dict[str, Any]]:
+    """The OpenAI function schemas the chat template listed in the system message (one JSON object
+    a line between <tools> and </tools>, as Qwen's and Hermes' templates write them)."""
+    system = next((content for role, content, _ in messages if role == "system"), "")
+    tools = []
+    # Every <tools>...</tools> span (the instructions name the tags too): the schemas are its lines.
+    lines = [
+        line for block in system.split(TOOLS_START)[1:] for line in block.split(TOOLS_END)[0].splitlines()
+    ]
+    for line in lines:
+        try:
+            tool = json.loads(line)
+        except ValueError:
+            continue
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            tools.append(function)
+    return tools
+
+
+def generic_reply(messages: list[tuple[str, str, bool]], key: str, config: SimConfig) -> str:
+    """Any environment: the prompt's tools in turn, each called once with arguments valid for its
+    schema (seeded by the episode), then an answer; with no tools, a greeting."""
+    tools = prompt_tools(messages)
+    if not tools or {tool["name"] for tool in tools} == set(TOOL_FUNCTIONS):
+        return UNKNOWN_REPLY  # no tools, or builtin/shop's with none of its tasks: as before
+    turn = sum(1 for role, _, closed in messages if role == "assistant" and closed)
+    if turn >= min(len(tools), GENERIC_TOOL_CALLS):
+        return GENERIC_ANSWER
+    tool = tools[turn]
+    rng = random.Random(f"{config.seed}:{key}:{turn}:arguments")
+    return render_action(Action(tool["name"], arguments_for(tool.get("parameters"), rng)))
+
+
 def policy_reply(prompt_text: str, key: str, config: SimConfig) -> tuple[str, bool]:
     """The assistant's next text for this prompt, and whether it rambles (to be cut by max_new_tokens)."""
     messages = parse_chatml(prompt_text)
     first_user = next((content for role, content, _ in messages if role == "user"), None)
     task = task_by_instruction().get(first_user) if first_user is not None else None
     if task is None:
-        return UNKNOWN_REPLY, False
+        return generic_reply(messages, key, config), False
     turn = sum(1 for role, _, closed in messages if role == "assistant" and closed)
     plan = oracle_plan(task)
     if turn >= len(plan):

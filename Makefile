@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint pytest openapi bench serve clean
+.PHONY: install demo demo-vllm test lint pytest openapi bench serve clean
 
 $(STAMP): pyproject.toml client/pyproject.toml examples/helpdesk_env/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m service demo
 
+# The same against a real vLLM on the CPU with a tiny random-weight model (built once, cached).
+demo-vllm: $(STAMP)
+	scripts/demo_vllm.sh
+
 # Lint, type-check, check the layers (pyproject.toml's [tool.importlinter]), then the whole suite
 # on SQLite and on the local PostgreSQL (started if it is installed but down) with the viewer's
-# browser tests in Debian's Chromium (installed if missing, as root). Where either cannot be had,
-# its tests are skipped with that reason, except on CI.
+# browser tests in Debian's Chromium (installed if missing, as root) and the real-engine tests against
+# vLLM on the CPU (scripts/ensure_vllm.sh: a virtualenv and a tiny model cached under ~/.cache, built
+# once). Where one cannot be had, its tests are skipped with that reason, except on CI.
 test: lint pytest
 
 lint: $(STAMP)
@@ -35,6 +40,8 @@ pytest: $(STAMP)
 	if [ $$postgres -ne 0 ] && [ $$postgres -ne 3 ]; then exit $$postgres; fi; \
 	scripts/ensure_chromium.sh; chromium=$$?; \
 	if [ $$chromium -ne 0 ] && [ $$chromium -ne 3 ]; then exit $$chromium; fi; \
+	scripts/ensure_vllm.sh >/dev/null; vllm=$$?; \
+	if [ $$vllm -ne 0 ] && [ $$vllm -ne 3 ]; then exit $$vllm; fi; \
 	ROLLOUT_SKIP_POSTGRES=$$([ $$postgres -eq 3 ] && echo 1) ROLLOUT_SKIP_BROWSER=$$([ $$chromium -eq 3 ] && echo 1) \
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -48,4 +55,4 @@ serve: $(STAMP)
 	$(BIN)/python -m service serve --migrate
 
 clean:
-	rm -rf $(VENV) demo.db rollouts.db .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) demo.db demo-vllm.db rollouts.db .pytest_cache .mypy_cache .ruff_cache .hypothesis

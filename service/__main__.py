@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--tasks", type=int, default=16, help="Tasks of builtin/shop's test split.")
     demo.add_argument("--samples", type=int, default=4, help="Samples per task (a GRPO group).")
     demo.add_argument("--database", default="sqlite+aiosqlite:///./demo.db")
+    demo.add_argument(
+        "--engine-url", default=None, help="A running engine instead of the simulated worker (with --engine)."
+    )
+    demo.add_argument("--engine", choices=["sglang", "vllm"], default="sglang", help="The engine's protocol.")
     sim = commands.add_parser(
         "sim-worker", help="Serve a simulated SGLang worker (tests, demos, benchmarks)."
     )
@@ -99,7 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "demo":
         from service.demo import run_demo
 
-        return run_demo(database_url=args.database, tasks=args.tasks, samples=args.samples)
+        return run_demo(
+            database_url=args.database,
+            tasks=args.tasks,
+            samples=args.samples,
+            engine=args.engine,
+            engine_url=args.engine_url,
+        )
     elif args.command == "sim-worker":
         from service.sim.worker import SimConfig
         from service.sim.worker import main as sim_main

@@ -7,7 +7,6 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
-from functools import partial
 
 from fastapi import Depends, FastAPI
 
@@ -61,7 +60,7 @@ async def lifespan(
         endings = Endings(
             metrics, await resources.enter_async_context(group_log(database, metrics, results)), results
         )
-        pause = EnginePause(settings.max_pause_seconds, partial(engine.control, "/continue_generation", {}))
+        pause = EnginePause(settings.max_pause_seconds, engine.resume)
         await resources.enter_async_context(aclosing(pause))
         tokenizers = await Tokenizers.load(settings, now=settings.run_worker)
         worker = None

@@ -45,9 +45,15 @@ class Settings(BaseSettings):
         default="sqlite+aiosqlite:///./rollouts.db",
         description="SQLAlchemy async URL: sqlite+aiosqlite:///path or postgresql+asyncpg://user@host/db.",
     )
+    engine: Literal["sglang", "vllm"] = Field(
+        default="sglang",
+        description="The inference engine's protocol: SGLang's /generate, or vLLM's /inference/v1/generate "
+        "(a vLLM server started with --enable-scale-out, and VLLM_SERVER_DEV_MODE=1 for /engine/pause).",
+    )
     sglang_url: str = Field(
         default="http://127.0.0.1:30000",
-        description="One SGLang worker, or the SGLang router in front of many.",
+        description="The engine's URL: one SGLang worker, or the SGLang router in front of many; with "
+        "ENGINE=vllm, the vLLM server.",
     )
     sglang_worker_urls: str = Field(
         default="",

@@ -11,6 +11,7 @@ import io
 import sys
 import time
 from statistics import mean
+from typing import Literal
 
 import httpx
 import pyarrow as pa
@@ -94,9 +95,27 @@ async def _run(settings: Settings, tasks: int, samples: int) -> int:
         return 0 if batch["counts"]["failed"] == 0 else 1
 
 
-def run_demo(*, database_url: str, tasks: int, samples: int) -> int:
+ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
+
+
+def run_demo(
+    *,
+    database_url: str,
+    tasks: int,
+    samples: int,
+    engine: Literal["sglang", "vllm"] = "sglang",
+    engine_url: str | None = None,
+) -> int:
     run_migrations(database_url)
+    if engine_url is not None:  # a real engine (scripts/demo_vllm.sh starts one)
+        settings = Settings(
+            database_url=database_url, sglang_url=engine_url, engine=engine, api_keys=SecretStr("")
+        )
+        print(f"database {database_url}; {ENGINE_NAMES[engine]} at {engine_url}")
+        return asyncio.run(_run(settings, tasks, samples))
     with serve_in_thread(create_sim_app(SimConfig(latency_seconds=0.05))) as sim_url:
-        settings = Settings(database_url=database_url, sglang_url=sim_url, api_keys=SecretStr(""))
-        print(f"database {database_url}; simulated SGLang worker at {sim_url}")
+        settings = Settings(
+            database_url=database_url, sglang_url=sim_url, engine=engine, api_keys=SecretStr("")
+        )
+        print(f"database {database_url}; simulated {ENGINE_NAMES[engine]} worker at {sim_url}")
         return asyncio.run(_run(settings, tasks, samples))

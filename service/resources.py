@@ -14,6 +14,7 @@ from typing import cast
 from service.config import Settings
 from service.engine.client import AbortQuiet, SGLangClient, make_control_client
 from service.engine.transport import SocketTransport
+from service.engine.vllm import VLLMClient
 from service.envs.base import EnvSpec
 from service.envs.host import EnvHost
 from service.loop.runner import EpisodeRunner
@@ -104,7 +105,8 @@ async def engine_client(settings: Settings) -> AsyncIterator[SGLangClient]:
         make_control_client(settings.engine_timeout_seconds) as http,
         aclosing(SocketTransport()) as transport,
     ):
-        yield SGLangClient(
+        client = VLLMClient if settings.engine == "vllm" else SGLangClient
+        yield client(
             http,
             settings.sglang_url,
             max_inflight=settings.max_inflight_generates,

@@ -35,8 +35,7 @@ class WorkersOut(BaseModel):
     workers: list[str]
 
 
-async def _fan_out(services: ServicesDep, path: str, body: dict[str, str]) -> ControlResult:
-    problems = await services.engine.control(path, body)
+def _result(path: str, problems: dict[str, str | None]) -> ControlResult:
     result = ControlResult(workers={url: problem or "ok" for url, problem in problems.items()})
     failed = {url: problem for url, problem in problems.items() if problem is not None}
     if failed:
@@ -57,7 +56,7 @@ async def pause_generation(body: PauseRequest, services: ServicesDep) -> Control
     """POST /pause_generation on every worker. Until POST /engine/continue, /ready answers 503; past
     MAX_PAUSE_SECONDS the service resumes generation itself."""
     services.pause.started()  # even if some workers refuse: the limit resumes those that paused
-    return await _fan_out(services, "/pause_generation", {"mode": body.mode})
+    return _result("/pause_generation", await services.engine.pause(body.mode))
 
 
 @router.post(
@@ -68,6 +67,6 @@ async def pause_generation(body: PauseRequest, services: ServicesDep) -> Control
 )
 async def continue_generation(services: ServicesDep) -> ControlResult:
     """POST /continue_generation on every worker."""
-    result = await _fan_out(services, "/continue_generation", {})
+    result = _result("/continue_generation", await services.engine.resume())
     services.pause.ended()  # only once every worker took it: else the limit still resumes them
     return result

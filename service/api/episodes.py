@@ -33,6 +33,7 @@ from service.api.schemas import (
 from service.api.token_view import episode_token_view
 from service.app_state import Services
 from service.config import Settings
+from service.engine.vllm import unsupported_by_vllm
 from service.envs.plugins import failed_plugin_for
 from service.records import EXTERNAL_ENV, FINISHED_STATUSES, EpisodeRequest
 from service.storage.batches import BatchConflict, NewBatch, NewEpisode, submit_batch
@@ -64,6 +65,12 @@ def request_hash(body: SubmitEpisodes) -> str:
 def validate_submission(body: SubmitEpisodes, services: Services) -> SubmitEpisodes:
     """Refuses what cannot run (a 422 naming the field); the body with its `task_split` filled in
     where the env declares its training split."""
+    if services.settings.engine == "vllm":
+        params = body.sampling_params.to_sglang()
+        if (name := unsupported_by_vllm(params)) is not None:
+            raise InvalidRequest.field(
+                ["sampling_params", name], f"{name} is not supported by this service's engine (vLLM)"
+            )
     if body.env == EXTERNAL_ENV:  # the agent's own tasks: their indices and split are its labels
         _check_size(body, services)
         return body if body.task_split is not None else body.model_copy(update={"task_split": ""})

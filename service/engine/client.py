@@ -267,8 +267,12 @@ class SGLangClient:
     """Calls one SGLang worker or the SGLang router.
 
     `/generate` and control calls (abort, pause) go over `transport`; `http` (also the default
-    transport) asks the router for its workers and the engine for its health.
+    transport) asks the router for its workers and the engine for its health. The engine's own
+    protocol is in GENERATE_PATH, _encode_params, _request_body, _parse, abort, pause and resume
+    (vllm.py's VLLMClient overrides them).
     """
+
+    GENERATE_PATH = "/generate"
 
     def __init__(
         self,
@@ -286,7 +290,7 @@ class SGLangClient:
         self._http = http
         self._transport = transport or HttpxTransport(http)
         self.base_url = base_url.rstrip("/")
-        self._generate_url = f"{self.base_url}/generate"
+        self._generate_url = f"{self.base_url}{self.GENERATE_PATH}"
         self._inflight = asyncio.BoundedSemaphore(max_inflight)
         self._max_inflight = max_inflight
         self._retries = retries
@@ -316,7 +320,7 @@ class SGLangClient:
         conversation on every turn (see Trajectory.input_ids_json).
         """
         encoded_ids = input_ids_json if input_ids_json is not None else json.dumps(list(input_ids))
-        encoded_params = json.dumps(sampling_params, separators=(",", ":"))
+        encoded_params = self._encode_params(sampling_params)
         result = await self._attempt(encoded_ids, encoded_params, rid)
         if isinstance(result, Generation):
             return result
@@ -324,7 +328,7 @@ class SGLangClient:
 
     async def _attempt(self, encoded_ids: str, encoded_params: str, rid: str) -> Generation | _Failure:
         await self.abort_quiet.wait()
-        result = await self._post_generate(generate_body(encoded_ids, encoded_params, rid))
+        result = await self._post_generate(self._request_body(encoded_ids, encoded_params, rid))
         if isinstance(result, Generation):
             if result.interrupted:
                 self.abort_quiet.aborted()
@@ -382,7 +386,24 @@ class SGLangClient:
             parsed = orjson.loads(reply.body)
         except orjson.JSONDecodeError as error:
             raise EngineResponseError(f"response is not JSON: {error}") from error
-        return parse_generation(parsed)
+        return self._parse(parsed)
+
+    def _encode_params(self, sampling_params: dict[str, Any]) -> str:
+        return json.dumps(sampling_params, separators=(",", ":"))
+
+    def _request_body(self, input_ids_json: str, sampling_params_json: str, rid: str) -> bytes:
+        return generate_body(input_ids_json, sampling_params_json, rid)
+
+    def _parse(self, body: Any) -> Generation:
+        return parse_generation(body)
+
+    async def pause(self, mode: str) -> dict[str, str | None]:
+        """Pauses generation on every worker (SGLang's modes: abort, retract, in_place)."""
+        return await self.control("/pause_generation", {"mode": mode})
+
+    async def resume(self) -> dict[str, str | None]:
+        """Resumes generation on every worker after pause()."""
+        return await self.control("/continue_generation", {})
 
     async def abort(self, rid: str) -> None:
         """Aborts `rid` (and every rid it prefixes) on each worker; the router does not proxy aborts."""

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_TURN_RESUMES = 8  # engine aborts one turn survives (MAX_TURN_RESUMES)
 # SGLang's 400 when input + max_new_tokens exceeds the model: "... the model's context length ...",
 # "... the model's maximum context length of N tokens ...".
-CONTEXT_LENGTH_ERROR = "context length"
+CONTEXT_LENGTH_ERRORS = ("context length", "maximum model length")  # SGLang's, vLLM's
 
 
 class Engine(Protocol):
@@ -105,7 +105,7 @@ class EpisodeRunner:
             note = f"{DEADLINE_NOTE}: still running after {timeout:g} s ({episode.phase})"
             return episode.end(EpisodeStatus.TRUNCATED, note)
         except EngineRequestError as error:
-            if CONTEXT_LENGTH_ERROR in str(error).lower():  # the conversation outgrew the model
+            if any(words in str(error).lower() for words in CONTEXT_LENGTH_ERRORS):  # outgrew the model
                 return episode.end(EpisodeStatus.TRUNCATED, f"context length reached: {error}")
             return episode.end(EpisodeStatus.FAILED, f"engine refused the request: {error}")
         except EngineError as error:

@@ -1,4 +1,5 @@
-"""A simulated SGLang worker: the protocol of docs/sglang.md, played by an oracle of `builtin/shop`.
+"""A simulated SGLang worker: the protocol of docs/sglang.md, played by an oracle of `builtin/shop`;
+it also answers vLLM 0.32's token-in/token-out routes (/inference/v1/generate, aborts, pause).
 
 The policy (policy.py) decodes the ChatML prompt and plays the task's oracle plan with seeded
 mistakes, returning token ids the way real sampling does. This module is the worker's state and
@@ -27,18 +28,13 @@ from starlette.routing import Route
 
 from service.records import rid_attempt_key
 from service.sim.policy import PlannedOutput, SimConfig, SimTokens, latency_factor, plan_output
+from service.sim.protocol import SimHTTPError, SimRequest, json_bytes
+from service.sim.vllm import VLLM_ID_PREFIX, sglang_body_of_vllm, vllm_error, vllm_response
 
 __all__ = ["SimConfig", "SimRequest", "SimWorker", "create_sim_app", "main", "serve_in_thread"]
 
 PREFIX_CACHE_ENTRIES = 10_000
 SERVER_START_TIMEOUT_SECONDS = 10.0
-
-
-class SimHTTPError(Exception):
-    def __init__(self, status_code: int, message: str) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
 
 
 # The names SGLang's SamplingParams takes from a request (python/sglang/srt/sampling/sampling_params.py).
@@ -54,25 +50,12 @@ SGLANG_SAMPLING_PARAMS = frozenset(
 
 
 @dataclass
-class SimRequest:
-    """What one POST /generate carried, and what it was answered (for tests and benchmarks)."""
-
-    body: dict[str, Any]
-    rid: str
-    input_ids: list[int]
-    sampling_params: dict[str, Any]
-    response_body: bytes | None = None
-
-
-@dataclass
 class _Running:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     abort_message: str = ""
 
 
-def _json_bytes(value: Any) -> bytes:
-    # SGLang answers with orjson: compact and UTF-8.
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+_json_bytes = json_bytes
 
 
 def _error(status_code: int, message: str) -> Response:
@@ -108,10 +91,15 @@ class SimWorker:
     def running(self) -> int:
         return len(self._running)
 
-    def abort(self, rid: str, abort_all: bool = False, message: str = "Aborted by AbortReq.") -> int:
-        """Aborts running requests whose rid starts with `rid` (all with abort_all); returns how many."""
+    def abort(
+        self, rid: str, abort_all: bool = False, message: str = "Aborted by AbortReq.", *, exact: bool = False
+    ) -> int:
+        """Aborts running requests whose rid starts with `rid` (is `rid`, with `exact`: vLLM's
+        aborts; all with abort_all); returns how many."""
         matched = [
-            running for key, running in self._running.items() if abort_all or (rid and key.startswith(rid))
+            running
+            for key, running in self._running.items()
+            if abort_all or (rid and (key == rid if exact else key.startswith(rid)))
         ]
         for running in matched:
             running.abort_message = message
@@ -340,6 +328,71 @@ def create_sim_app(config: SimConfig | None = None, *, worker: SimWorker | None 
         sim_request.response_body = _json_bytes(sim.response(sim_request, output, meta))
         return Response(sim_request.response_body, media_type="application/json")
 
+    async def vllm_generate(request: Request) -> Response:
+        """vLLM's POST /inference/v1/generate (non-streaming, output_mode tokens)."""
+        try:
+            body = await _json_body(request)
+            sglang_body = sglang_body_of_vllm(body)
+            prompt, context = len(sglang_body["input_ids"]), sim.config.context_length
+            if prompt > context:
+                raise SimHTTPError(
+                    400,
+                    f"The decoder prompt (length {prompt}) is longer than the maximum model length of "
+                    f"{context}. Make sure that `max_model_len` is no smaller than the number of text "
+                    "tokens.",
+                )
+            params = sglang_body["sampling_params"]  # vLLM cuts what does not fit instead of refusing
+            params["max_new_tokens"] = min(int(params["max_new_tokens"]), context - prompt)
+            sim_request, running = sim._admit(sglang_body)
+        except SimHTTPError as error:
+            return vllm_error(error.status_code, error.message)
+        sim_request.body = body
+        watcher = asyncio.ensure_future(_abort_on_disconnect(request, running))
+        try:
+            output, meta = await sim.run(sim_request, running)
+        finally:
+            watcher.cancel()
+        sim_request.response_body = _json_bytes(
+            vllm_response(sim_request, output, meta, eos_id=sim.tokens.eos_id, model=sim.model_path)
+        )
+        return Response(sim_request.response_body, media_type="application/json")
+
+    async def vllm_abort_requests(request: Request) -> Response:
+        """vLLM's abort by the engine's ids: /inference/v1/abort_requests answers at once, empty
+        (the abort runs in the background); the dev server's /abort_requests counts the ids it was
+        given (known or not), and aborts everything without any."""
+        try:
+            body = await _json_body(request)
+        except SimHTTPError as error:
+            return vllm_error(error.status_code, error.message)
+        ids = body.get("request_ids") if isinstance(body, dict) else None
+        if ids is None and request.url.path.startswith("/inference"):
+            return JSONResponse({"detail": "Missing 'request_ids' in request body"}, 400)
+        sim.aborts.append(body)
+        for engine_id in ids or []:
+            rid = str(engine_id).removeprefix(VLLM_ID_PREFIX)
+            sim.abort(rid, message="Aborted by abort_requests.", exact=True)
+        if request.url.path.startswith("/inference"):
+            return Response(status_code=200)
+        count = len(ids) if ids else sim.abort("", abort_all=True, message="Aborted by abort_requests.")
+        return JSONResponse({"status": "aborted", "aborted": count})
+
+    async def vllm_pause(request: Request) -> Response:
+        """vLLM's POST /pause?mode=abort|keep|wait (the simulated worker's requests in flight run
+        on through keep and wait alike; new ones wait for the resume)."""
+        mode = request.query_params.get("mode", "abort")
+        if mode not in ("abort", "keep", "wait"):
+            return JSONResponse({"error": f"Unknown pause mode {mode!r}."}, 400)
+        sim.pause("abort" if mode == "abort" else "in_place")
+        return JSONResponse({"status": "paused"})
+
+    async def vllm_resume(request: Request) -> Response:
+        sim.resume()
+        return JSONResponse({"status": "resumed"})
+
+    async def vllm_is_paused(request: Request) -> Response:
+        return JSONResponse({"is_paused": sim._paused})
+
     async def health(request: Request) -> Response:
         return Response(status_code=200 if sim.healthy else 503)
 
@@ -481,6 +534,13 @@ def create_sim_app(config: SimConfig | None = None, *, worker: SimWorker | None 
         Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        # vLLM's (--enable-scale-out; the pause routes with VLLM_SERVER_DEV_MODE=1)
+        Route("/inference/v1/generate", vllm_generate, methods=["POST"]),
+        Route("/inference/v1/abort_requests", vllm_abort_requests, methods=["POST"]),
+        Route("/abort_requests", vllm_abort_requests, methods=["POST"]),
+        Route("/pause", vllm_pause, methods=["POST"]),
+        Route("/resume", vllm_resume, methods=["POST"]),
+        Route("/is_paused", vllm_is_paused, methods=["GET"]),
     ]
     return Starlette(routes=routes)
 

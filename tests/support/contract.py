@@ -46,7 +46,13 @@ def _call_order(request: SimRequest) -> tuple[int, int]:
 def generate_call(request: SimRequest) -> GenerateCall:
     """What one answered request of the simulated worker carried and sampled."""
     assert request.response_body is not None
-    pairs = json.loads(request.response_body)["meta_info"]["output_token_logprobs"]
+    body = json.loads(request.response_body)
+    if "choices" in body:  # vLLM's /inference/v1/generate
+        content = body["choices"][0]["logprobs"]["content"]
+        return GenerateCall(
+            request.input_ids, [e["token_id"] for e in content], [e["logprob"] for e in content]
+        )
+    pairs = body["meta_info"]["output_token_logprobs"]
     return GenerateCall(request.input_ids, [p[1] for p in pairs], [p[0] for p in pairs])
 
 

@@ -1,0 +1,116 @@
+"""A real vLLM server on the CPU for tests/test_vllm_real.py: scripts/ensure_vllm.sh's cached
+virtualenv and tiny random-weight model, served on a free loopback port for the test session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_SECONDS = 300.0  # seen here: 26 s on an idle machine, about a minute under load
+ENSURE_TIMEOUT_SECONDS = 1800.0  # a first build downloads about 1 GB
+KV_CACHE_GIB = 1
+MAX_MODEL_LEN = 8192  # the pause test generates 6,000 tokens a turn after a prompt of about 1,100
+
+
+@dataclass(frozen=True)
+class VLLMServer:
+    url: str
+    model: str  # the model directory (its tokenizer is the service's test tokenizer)
+    log: Path  # its output: --enable-log-requests logs "Added request <engine id>" as each arrives
+
+    def added(self, engine_id_part: str) -> int:
+        """How many requests whose engine id holds `engine_id_part` the engine has taken so far."""
+        text = self.log.read_text(errors="replace")
+        return sum(1 for line in text.splitlines() if "Added request" in line and engine_id_part in line)
+
+
+def ensure_vllm() -> tuple[str, str]:
+    """(the vLLM venv's python, the model directory) from scripts/ensure_vllm.sh; skips the test
+    with its reason where vLLM cannot be had here, and fails instead on CI."""
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "ensure_vllm.sh")],
+        capture_output=True,
+        text=True,
+        timeout=ENSURE_TIMEOUT_SECONDS,
+        check=False,
+    )
+    if done.returncode == 3:
+        pytest.skip(f"real vLLM unavailable: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, f"scripts/ensure_vllm.sh failed ({done.returncode}):\n{done.stderr[-4000:]}"
+    values = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    return values["python"], values["model"]
+
+
+@contextmanager
+def vllm_server(log_path: Path) -> Iterator[VLLMServer]:
+    """`python -m vllm.entrypoints.openai.api_server` with the generate and abort routes
+    (--enable-scale-out), the pause routes (VLLM_SERVER_DEV_MODE=1), float32 weights (so that its
+    own scoring is a tight check) and the logprobs of the distribution it samples from."""
+    python, model = ensure_vllm()
+    port = free_port()
+    env = os.environ | {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": "INFO",
+    }
+    command = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--served-model-name", "tiny", "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enable-scale-out", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+        "--logprobs-mode", "processed_logprobs", "--enable-log-requests",
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while True:
+            assert process.poll() is None, f"vLLM exited ({process.returncode}):\n{_tail(log_path)}"
+            assert time.monotonic() < deadline, (
+                f"vLLM did not answer in {START_TIMEOUT_SECONDS:g} s:\n{_tail(log_path)}"
+            )
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield VLLMServer(url, model, log_path)
+    finally:
+        _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """The server and its engine-core child: its own process group (start_new_session)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+    try:  # a child left behind in the group
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

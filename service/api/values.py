@@ -14,18 +14,15 @@ Two rules, each stated once here:
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BeforeValidator, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-MAX_JSON_DEPTH = 32  # nesting of a free-form JSON value (metadata): objects and arrays
+from service.text import unstorable
 
-# A lone surrogate: JSON's "\ud800" escape without its pair. It is no character, so a str holding
-# one has no UTF-8 form: it can be stored, but no answer that contains it can be encoded.
-_SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_JSON_DEPTH = 32  # nesting of a free-form JSON value (metadata): objects and arrays
 
 
 def field_error(location: Sequence[str | int], kind: str, message: str, value: Any) -> ValidationError:
@@ -37,11 +34,12 @@ def field_error(location: Sequence[str | int], kind: str, message: str, value: A
 
 def text_problem(text: str) -> str | None:
     """Why `text` cannot be part of a stored JSON value, or None."""
-    match = _SURROGATE.search(text)
-    if match is None:
+    found = unstorable(text, column=False)
+    if found is None:
         return None
+    _, at, char = found
     return (
-        f"lone surrogate \\u{ord(match.group()):04x} at character {match.start()}: not Unicode text "
+        f"lone surrogate \\u{ord(char):04x} at character {at}: not Unicode text "
         "(a \\ud800-\\udfff escape is half of a pair)"
     )
 
@@ -51,10 +49,10 @@ def label_problem(text: str) -> tuple[str, str] | None:
     problem = text_problem(text)
     if problem is not None:
         return "lone_surrogate", problem
-    nul = text.find("\x00")
-    if nul >= 0:
-        return "nul_character", f"NUL (\\u0000) at character {nul}: text fields cannot hold it"
-    return None
+    found = unstorable(text, column=True)
+    if found is None:
+        return None
+    return "nul_character", f"NUL (\\u0000) at character {found[1]}: text fields cannot hold it"
 
 
 def escaped(text: str) -> str:

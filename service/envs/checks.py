@@ -5,14 +5,12 @@ numbers, string keys, bounded depth). Runs in the env worker, so a bad answer fa
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 from service.envs.base import Reset, Step
+from service.text import unstorable
 
 MAX_INFO_DEPTH = 32  # nesting of info and transcript values: objects and arrays
-# A lone surrogate has no UTF-8 form: a str holding one cannot be stored as text.
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class EnvProtocolError(TypeError):
@@ -25,10 +23,10 @@ def json_problem(value: Any, where: str, depth: int = 1) -> str | None:
     if value is None or isinstance(value, bool | int):
         return None
     if isinstance(value, str):
-        match = _SURROGATE.search(value)
-        if match is None:
+        found = unstorable(value, column=False)
+        if found is None:
             return None
-        return f"{where} holds a lone surrogate \\u{ord(match.group()):04x} (not Unicode text)"
+        return f"{where} holds a lone surrogate \\u{ord(found[2]):04x} (not Unicode text)"
     if isinstance(value, float):
         return None if math.isfinite(value) else f"{where} is {value!r}: only finite numbers are stored"
     if isinstance(value, dict | list | tuple):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import fields
 from datetime import UTC, datetime
 from typing import Any
@@ -27,6 +26,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from service import records
 from service.records import EpisodeRequest, EpisodeStatus
 from service.storage import blobs
+from service.text import replace_unstorable, unstorable
 
 # Explicit constraint names, so migrations can drop and alter them on every backend.
 NAMING_CONVENTION = {
@@ -74,8 +74,10 @@ class TextColumn(TypeDecorator[str]):
     cache_ok = True
 
     def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
-        if value is not None and (problem := unstorable_text(value)) is not None:
-            raise ValueError(f"{problem} in {value[:80]!r}: check it where it enters (service/api/values.py)")
+        if value is not None and (found := unstorable(value, column=True)) is not None:
+            kind, at, _ = found
+            where = "check it where it enters (service/api/values.py)"
+            raise ValueError(f"{kind} at character {at} in {value[:80]!r}: {where}")
         return value
 
 
@@ -87,21 +89,7 @@ class DiagnosticText(TypeDecorator[str]):
     cache_ok = True
 
     def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
-        if value is None or unstorable_text(value) is None:
-            return value
-        return _UNSTORABLE.sub("\ufffd", value)
-
-
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
-def unstorable_text(value: str) -> str | None:
-    """What in `value` a text column cannot hold on every database (NUL, a lone surrogate), or None."""
-    match = _UNSTORABLE.search(value)
-    if match is None:
-        return None
-    kind = "NUL" if match.group() == "\x00" else "lone surrogate"
-    return f"{kind} at character {match.start()}"
+        return None if value is None else replace_unstorable(value)
 
 
 class Base(DeclarativeBase):

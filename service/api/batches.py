@@ -11,7 +11,8 @@ from fastapi import APIRouter, Header, Path, Query, Response
 
 from service.api.arrow import ARROW_STREAM_MEDIA_TYPE
 from service.api.batch_json import batch_summary_json, summary_item
-from service.api.deps import ServicesDep, long_poll
+from service.api.contract import link
+from service.api.deps import LONG_POLL_CUT, ServicesDep, long_poll
 from service.api.errors import DatabaseUnavailable, NotFound, responses
 from service.api.schemas import (
     BATCH_ID_PATTERN,
@@ -40,7 +41,14 @@ MAX_BATCHES_PAGE = 500
     "/batches",
     operation_id="list_batches",
     response_model=BatchListOut,
-    responses=responses(NotFound, DatabaseUnavailable),
+    responses=responses(NotFound, DatabaseUnavailable)
+    | {
+        200: {
+            "links": {
+                "newest": link("get_batch", "The newest batch.", batch_id="$response.body#/batches/0/id")
+            }
+        }
+    },
 )
 async def get_batches(
     services: ServicesDep,
@@ -109,7 +117,12 @@ async def get_batch_results(
     services: ServicesDep,
     batch_id: BatchId,
     wait: Annotated[
-        float, Query(ge=0, description="Long-poll: seconds to wait for the batch to complete.")
+        float,
+        Query(
+            ge=0,
+            allow_inf_nan=False,
+            description="Long-poll: seconds to wait for the batch to complete" + LONG_POLL_CUT,
+        ),
     ] = 0,
     include_tokens: Annotated[bool, Query(description="JSON: add each episode's token arrays.")] = False,
     accept: Annotated[str, Header()] = "application/json",

@@ -20,6 +20,14 @@ from service.api.errors import (
 )
 from service.api.middleware import PUBLIC_PATHS
 
+
+def link(operation: str, description: str, **parameters: str) -> dict[str, Any]:
+    """An OpenAPI link: where an answer's ids are taken next (documentation, and the paths by which
+    the stateful tests reach every operation that takes an id). `parameters` maps the operation's
+    parameter (`query.batch_id` for a query one) to a runtime expression."""
+    return {"operationId": operation, "parameters": parameters, "description": description}
+
+
 BEARER_SCHEME = "apiKey"
 ERROR_SCHEMA_REF = "#/components/schemas/ErrorBody"
 FASTAPI_VALIDATION_SCHEMAS = ("HTTPValidationError", "ValidationError")

@@ -27,6 +27,9 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 WAIT_POLL_SECONDS = 1.0  # how often a long-poll re-reads the database (other processes' results)
 
 
+LONG_POLL_CUT = ": at most MAX_LONG_POLL_SECONDS (a setting); a longer wait is cut to it."  # ?wait= docs
+
+
 async def long_poll(services: Services, wait: float, done: Callable[[], Awaitable[bool]]) -> None:
     """Returns once `done()` (a database read) is true, or after `wait` seconds (at most
     MAX_LONG_POLL_SECONDS), or when the server stops. It asks again whenever this process stores a

@@ -12,7 +12,8 @@ from fastapi import APIRouter, Path, Query, Request, status
 from sqlalchemy import select
 
 from service.agents.repository import agent_tokens
-from service.api.deps import ServicesDep, long_poll
+from service.api.contract import link
+from service.api.deps import LONG_POLL_CUT, ServicesDep, long_poll
 from service.api.episode_detail import episode_detail
 from service.api.errors import (
     Conflict,
@@ -42,18 +43,37 @@ from service.storage.models import Episode, EpisodeSegment
 router = APIRouter(tags=["episodes"])
 EpisodeId = Annotated[str, Path(max_length=128, pattern=ID_PATTERN)]
 
-# Where an accepted submission is read back (OpenAPI links: documentation, and stateful tests).
+
+# Where an accepted submission's ids are taken next, and an episode's.
+_FIRST_EPISODE = "$response.body#/episode_ids/0"
 SUBMIT_LINKS = {
-    "batch": {
-        "operationId": "get_batch",
-        "parameters": {"batch_id": "$response.body#/batch_id"},
-        "description": "The batch, as it runs and once complete.",
-    },
-    "first_episode": {
-        "operationId": "get_episode",
-        "parameters": {"episode_id": "$response.body#/episode_ids/0"},
-        "description": "One of its episodes (any of episode_ids).",
-    },
+    "batch": link(
+        "get_batch", "The batch, as it runs and once complete.", batch_id="$response.body#/batch_id"
+    ),
+    "first_episode": link(
+        "get_episode", "One of its episodes (any of episode_ids).", episode_id=_FIRST_EPISODE
+    ),
+    "batch_episodes": link(
+        "list_batch_episodes", "Every episode of the batch.", batch_id="$response.body#/batch_id"
+    ),
+    "batch_groups": link(
+        "get_groups", "The batch's complete groups.", **{"query.batch_id": "$response.body#/batch_id"}
+    ),
+    "cancel": link("cancel_batch", "Cancel what has not finished.", batch_id="$response.body#/batch_id"),
+} | {
+    name: link(operation, "An external agent's call (env `external`).", episode_id=_FIRST_EPISODE)
+    for name, operation in (
+        ("agent_chat_completions", "agent_chat_completions"),
+        ("agent_messages", "agent_messages"),
+        ("agent_responses", "agent_responses"),
+        ("agent_finish", "finish_agent_episode"),
+    )
+}
+EPISODE_LINKS = {
+    "tokens": link(
+        "get_episode_tokens", "Its response tokens as text.", episode_id="$request.path.episode_id"
+    ),
+    "batch": link("get_batch", "Its batch.", batch_id="$response.body#/batch_id"),
 }
 
 
@@ -198,13 +218,18 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep, request: 
     "/episodes/{episode_id}",
     operation_id="get_episode",
     response_model=EpisodeDetail,
-    responses=responses(NotFound, DatabaseUnavailable),
+    responses=responses(NotFound, DatabaseUnavailable) | {200: {"links": EPISODE_LINKS}},
 )
 async def get_episode(
     services: ServicesDep,
     episode_id: EpisodeId,
     wait: Annotated[
-        float, Query(ge=0, description="Long-poll: seconds to wait for the episode to finish.")
+        float,
+        Query(
+            ge=0,
+            allow_inf_nan=False,
+            description="Long-poll: seconds to wait for the episode to finish" + LONG_POLL_CUT,
+        ),
     ] = 0,
 ) -> EpisodeDetail:
     """One episode with its token arrays as JSON lists, its transcript, env info and turns."""

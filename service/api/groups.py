@@ -10,7 +10,7 @@ from pydantic import StringConstraints
 
 from service.api.arrow import ARROW_STREAM_MEDIA_TYPE
 from service.api.batch_json import groups_page_json
-from service.api.deps import ServicesDep, long_poll
+from service.api.deps import LONG_POLL_CUT, ServicesDep, long_poll
 from service.api.errors import DatabaseUnavailable, responses
 from service.api.schemas import BATCH_ID_PATTERN, INT32_MAX, GroupsOut
 from service.api.streaming import arrow_stream
@@ -59,7 +59,7 @@ async def get_groups(
         Query(
             ge=0,
             allow_inf_nan=False,
-            description="Long-poll: seconds to wait for a group when none is there yet.",
+            description="Long-poll: seconds to wait for a group when none is there yet" + LONG_POLL_CUT,
         ),
     ] = 0,
     batch_id: Annotated[

@@ -81,9 +81,10 @@ class SamplingParams(BaseModel):
     )
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX), JSON_INTEGER] | None = Field(
-        default=None, description="-1: off; not 0."
-    )
+    top_k: (
+        Annotated[int, Field(ge=-1, le=INT32_MAX, json_schema_extra={"not": {"const": 0}}), JSON_INTEGER]
+        | None
+    ) = Field(default=None, description="-1: off; not 0.")
     min_p: float | None = Field(default=None, ge=0, le=1)
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None

@@ -108,8 +108,20 @@ def _make_sqlite_transactional(engine: AsyncEngine, *, foreign_keys: bool) -> No
         read_only = connection.get_execution_options().get(READ_ONLY_OPTION, False)
         connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
+    def interrupt(dbapi_connection: Any, connection_record: Any, exception: BaseException | None) -> None:
+        # A connection is invalidated when a statement's caller was cancelled mid-statement (a
+        # client gone, an episode cancelled). aiosqlite runs the statement in its own thread, and
+        # SQLAlchemy's close of the connection waits behind it: the write lock would be held, and
+        # the canceller kept waiting, until the statement ends by itself. sqlite3's interrupt()
+        # (thread-safe, and aiosqlite's own interrupt() calls it directly) ends it now.
+        raw = getattr(dbapi_connection, "driver_connection", None)
+        sqlite = getattr(raw, "_connection", None)  # aiosqlite's sqlite3 connection; None once closed
+        if sqlite is not None:
+            sqlite.interrupt()
+
     event.listen(engine.sync_engine, "connect", on_connect)
     event.listen(engine.sync_engine, "begin", begin_immediate)
+    event.listen(engine.sync_engine, "invalidate", interrupt)
 
 
 def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:

@@ -414,6 +414,46 @@ async def test_continue_ends_the_pause_and_its_limit(
     assert not any("MAX_PAUSE_SECONDS" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_pause_is_the_whole_services(
+    database_url: str, sim: tuple[SimWorker, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two processes on one database (`serve --workers 2`): a pause through one shows in the other's
+    /ready and /metrics, a continue through the other ends it everywhere, and the first's limit then
+    resumes nothing."""
+    caplog.set_level(logging.WARNING, logger="service.engine.pause")
+    settings = service_settings(database_url, sim[1], run_worker=False, max_pause_seconds=PAUSE_LIMIT_SECONDS)
+    async with (
+        serve_app(create_app(settings)) as one,
+        serve_app(create_app(settings)) as two,
+        httpx.AsyncClient(timeout=30) as http,
+    ):
+        assert (await http.post(f"{one}/engine/pause", json={"mode": "retract"})).status_code == 200
+        ready = await http.get(f"{two}/ready")
+        assert ready.status_code == 503, ready.text
+        assert "generation paused by POST /engine/pause (mode retract)" in ready.json()["detail"]
+        assert paused_gauge(await http.get(f"{two}/metrics")) == 1
+        assert (await http.post(f"{two}/engine/continue")).status_code == 200
+        assert not sim[0]._paused
+        assert (await http.get(f"{one}/ready")).status_code == 200
+        assert paused_gauge(await http.get(f"{one}/metrics")) == 0
+        await asyncio.sleep(1.5 * PAUSE_LIMIT_SECONDS)  # past the first one's limit
+    assert not any("MAX_PAUSE_SECONDS" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_process_that_stops_while_its_pause_holds_resumes_generation(
+    database_url: str, sim: tuple[SimWorker, str]
+) -> None:
+    """A trainer's pause must not outlive the process it went through: that process's shutdown
+    resumes generation (and the record of the pause ends with it)."""
+    settings = service_settings(database_url, sim[1], run_worker=False)  # the limit is far away
+    async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        assert (await http.post("/engine/pause", json={"mode": "retract"})).status_code == 200
+        assert sim[0]._paused
+    assert not sim[0]._paused
+    async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        assert (await http.get("/ready")).status_code == 200
+
+
 async def test_context_overflow_truncates_and_engine_refusal_fails(
     client: httpx.AsyncClient, sim: tuple[SimWorker, str]
 ) -> None:

@@ -19,6 +19,7 @@ from service.records import version_number
 from service.serving import serve_app
 from service.sim.policy import SimConfig
 from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
+from service.storage import engine_state
 from service.storage.db import Database
 from tests.conftest import service_settings
 from tests.support.contract import assert_stored_episode_matches_sim, sim_calls
@@ -129,6 +130,22 @@ async def test_max_staleness_reruns_episodes_whose_tokens_fall_too_far_behind(
     for episode in stored:
         versions = {turn["weight_version"] for turn in episode.turns or []}
         assert len(versions) == 1, versions
+
+
+async def test_max_staleness_is_measured_against_the_newest_version_of_any_process(
+    running: tuple[SimWorker, str, httpx.AsyncClient], db: Database
+) -> None:
+    """Another process of the service sampled from weight version 3 (shared in the database); this
+    one's engine is still at its first (`default`, 0). With max_staleness 1 its episodes are 3 behind
+    the service's newest: every attempt is stale, and the episode ends failed saying so."""
+    _, _, http = running
+    await engine_state.raise_newest_version(db.writer, 3)
+    accepted = await http.post("/episodes", json=submission("x", 1, 1, max_turns=20, max_staleness=1))
+    assert accepted.status_code == 202, accepted.text
+    batch = (await http.get("/batches/x", params={"wait": 120})).json()
+    assert batch["complete"] and batch["counts"]["failed"] == 1, batch["counts"]
+    (episode,) = await episodes_of(db, "x")
+    assert episode.error is not None and "newest (3)" in episode.error, episode.error
 
 
 def test_weight_versions_as_numbers() -> None:

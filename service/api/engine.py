@@ -53,9 +53,12 @@ async def engine_workers(services: ServicesDep) -> WorkersOut:
     "/pause", operation_id="pause_generation", response_model=ControlResult, responses=responses(NotReady)
 )
 async def pause_generation(body: PauseRequest, services: ServicesDep) -> ControlResult:
-    """POST /pause_generation on every worker. Until POST /engine/continue, /ready answers 503; past
-    MAX_PAUSE_SECONDS the service resumes generation itself."""
-    services.pause.started()  # even if some workers refuse: the limit resumes those that paused
+    """POST /pause_generation on every worker. Until POST /engine/continue (through any process of
+    the service), /ready answers 503 in every process; past MAX_PAUSE_SECONDS, or when this process
+    stops first, the service resumes generation itself."""
+    await services.pause.started(
+        body.mode
+    )  # even if some workers refuse: the limit resumes those that paused
     return _result("/pause_generation", await services.engine.pause(body.mode))
 
 
@@ -68,5 +71,5 @@ async def pause_generation(body: PauseRequest, services: ServicesDep) -> Control
 async def continue_generation(services: ServicesDep) -> ControlResult:
     """POST /continue_generation on every worker."""
     result = _result("/continue_generation", await services.engine.resume())
-    services.pause.ended()  # only once every worker took it: else the limit still resumes them
+    await services.pause.ended()  # only once every worker took it: else the limit still resumes them
     return result

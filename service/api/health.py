@@ -26,8 +26,8 @@ async def ready(services: ServicesDep) -> ReadyOut:
     engine = "ok" if await services.engine.health() else f"unreachable: {services.settings.sglang_url}"
     if database != "ok" or engine != "ok":
         raise NotReady(f"not ready: database {database}; engine {engine}")
-    if services.pause.paused:
-        raise NotReady(f"not ready: {services.pause.describe()}")
+    if (paused := await services.pause.paused()) is not None:
+        raise NotReady(f"not ready: {paused}")
     return ReadyOut(ready=True, database=database, engine=engine)
 
 
@@ -61,5 +61,6 @@ async def metrics(services: ServicesDep) -> Response:
     async with services.database.reader() as session:
         counts = await status_counts(session)
     running = len(services.worker.running) if services.worker is not None else 0
-    body = services.metrics.render(counts, running, services.engine.inflight, paused=services.pause.paused)
+    paused = await services.pause.paused() is not None
+    body = services.metrics.render(counts, running, services.engine.inflight, paused=paused)
     return Response(body, media_type=PROMETHEUS_MEDIA_TYPE)

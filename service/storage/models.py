@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     CheckConstraint,
     DateTime,
     Dialect,
@@ -206,6 +207,20 @@ class Group(Base):
     reward_std: Mapped[float | None] = mapped_column(Float)
     reward_min: Mapped[float | None] = mapped_column(Float)
     reward_max: Mapped[float | None] = mapped_column(Float)
+
+
+class EngineState(Base):
+    """What every process of the service shares about the engine, in one row (id 1): the newest
+    weight version any of them sampled from (`max_staleness` is measured against it), and a pause
+    (POST /engine/pause) not continued yet: since when, by which process, in which mode."""
+
+    __tablename__ = "engine_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    newest_weight_version: Mapped[int | None] = mapped_column(BigInteger)
+    paused_at: Mapped[datetime | None]
+    paused_by: Mapped[str | None] = mapped_column(TextColumn(128))
+    pause_mode: Mapped[str | None] = mapped_column(TextColumn(16))
 
 
 # The columns that hold an EpisodeRequest, named as its fields.

@@ -23,7 +23,7 @@ from service.logs import EPISODE_LOG_FIELDS
 from service.loop.runner import EpisodeRunner
 from service.records import EpisodeResult
 from service.retries import backoff, failed_attempt
-from service.storage import agents, queue
+from service.storage import agents, engine_state, queue
 from service.storage.db import Database
 from service.storage.errors import is_refused, is_transient
 from service.storage.queue import ClaimedEpisode
@@ -41,6 +41,7 @@ LOOPS_STOP_SECONDS = 5.0  # on shutdown, how long the background loops may take 
 # failed (its error says why), so that a bound no episode can meet does not loop forever.
 STALE_ATTEMPTS = 16
 CANCELLED_POLL_SECONDS = 0.5  # how often the batches of running episodes are checked for a cancel
+VERSIONS_SHARE_SECONDS = 1.0  # how often, while episodes run, the newest weight version is shared
 FinishedHook = Callable[[ClaimedEpisode, EpisodeResult], None]
 
 
@@ -84,6 +85,7 @@ class EpisodeWorker:
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._sweep_loop(), name="sweep"),
             asyncio.create_task(self._cancelled_loop(), name="cancelled"),
+            asyncio.create_task(self._versions_loop(), name="weight versions"),
         ]
         logger.info("worker %s started", self.worker_id)
 
@@ -312,6 +314,26 @@ class EpisodeWorker:
                         logger.info("%d external episodes failed: %s", len(idle), agents.IDLE_ERROR)
             if not await self._pause(self.settings.sweep_interval_seconds):
                 return
+
+    async def _versions_loop(self) -> None:
+        """Shares the newest weight version with the service's other processes, while episodes run:
+        `max_staleness` is measured against the newest any of them sampled from (one trainer's
+        weights behind them all), not only against this process's."""
+        shared: int | None = None
+        while await self._pause(VERSIONS_SHARE_SECONDS):
+            if not self.running:
+                continue
+            seen = self.runner.newest_version
+            try:
+                if seen is not None and (shared is None or seen > shared):
+                    shared = await engine_state.raise_newest_version(self.writes, seen)
+                else:
+                    shared = await engine_state.read_newest_version(self.database)
+            except Exception as error:
+                self._round_failed("sharing the newest weight version", error)
+                continue
+            if shared is not None and (seen is None or shared > seen):
+                self.runner.newest_version = shared
 
     async def _cancelled_loop(self) -> None:
         """Stops the running episodes of batches cancelled through any process (POST

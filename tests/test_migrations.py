@@ -40,7 +40,7 @@ async def test_head_matches_the_models_and_downgrades_to_nothing(empty_database_
     await asyncio.to_thread(run_migrations, empty_database_url)
     diff, tables = await _inspect(empty_database_url)
     assert diff == []
-    assert tables == {"alembic_version", "batches", "episodes", "episode_segments", "groups"}
+    assert tables == {"alembic_version", "batches", "episodes", "episode_segments", "groups", "engine_state"}
 
     await asyncio.to_thread(command.downgrade, alembic_config(empty_database_url), "base")
     _, tables = await _inspect(empty_database_url)

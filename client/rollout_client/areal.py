@@ -51,6 +51,7 @@ from rollout_client.steps import (
     StepBatch,
     StepCounts,
     batch_id,
+    on_trainer_base,
     pull_step_async,
     response_for_trainer,
 )
@@ -130,7 +131,7 @@ def _tensor(array: npt.NDArray[Any]) -> Any:
 
 
 class ServiceWorkflow:
-    """The workflow's behaviour, AReaL aside: RolloutServiceWorkflow below is this on AReaL's
+    """The workflow's behaviour, AReaL aside: RolloutServiceWorkflow is this on AReaL's
     RolloutWorkflow base class (AReaL builds a workflow only of that class)."""
 
     tensor = staticmethod(_tensor)  # numpy -> the trainer's tensor type
@@ -180,21 +181,10 @@ class ServiceWorkflow:
         return [trajectory(episode, self.max_response_tokens, self.counts) for episode in episodes]
 
 
-def workflow_class() -> type:
-    """ServiceWorkflow on AReaL's RolloutWorkflow: what `RolloutServiceWorkflow` names."""
-    from areal.api.workflow_api import RolloutWorkflow
-
-    class RolloutServiceWorkflow(ServiceWorkflow, RolloutWorkflow):  # type: ignore[misc]
-        pass
-
-    RolloutServiceWorkflow.__module__ = __name__
-    return RolloutServiceWorkflow
-
-
 def __getattr__(name: str) -> Any:
     """`rollout_client.areal.RolloutServiceWorkflow`, built on first use (it needs AReaL)."""
-    if name == "RolloutServiceWorkflow":
-        cls = workflow_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name != "RolloutServiceWorkflow":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cls = on_trainer_base(ServiceWorkflow, "areal.api.workflow_api:RolloutWorkflow", name)
+    globals()[name] = cls
+    return cls

@@ -49,6 +49,7 @@ from rollout_client.steps import (
     StepCounts,
     batch_id,
     digest,
+    on_trainer_base,
     pull_step_async,
     response_for_trainer,
     rewards_for_grpo,
@@ -121,7 +122,7 @@ def response(
 
 
 class ServiceExecutor:
-    """The executor's behaviour, OpenRLHF aside: AgentExecutor below is this on OpenRLHF's
+    """The executor's behaviour, OpenRLHF aside: AgentExecutor is this on OpenRLHF's
     AgentExecutorBase (its loader takes only that class)."""
 
     def __init__(self, *, service: ServiceConfig | None = None) -> None:
@@ -178,21 +179,10 @@ class ServiceExecutor:
         ]
 
 
-def executor_class() -> type:
-    """ServiceExecutor on OpenRLHF's AgentExecutorBase: what `AgentExecutor` names."""
-    from openrlhf.utils.agent import AgentExecutorBase
-
-    class AgentExecutor(ServiceExecutor, AgentExecutorBase):  # type: ignore[misc]
-        pass
-
-    AgentExecutor.__module__ = __name__
-    return AgentExecutor
-
-
 def __getattr__(name: str) -> Any:
     """`from rollout_client.openrlhf import AgentExecutor`, built on first use (it needs OpenRLHF)."""
-    if name == "AgentExecutor":
-        cls = executor_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name != "AgentExecutor":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    cls = on_trainer_base(ServiceExecutor, "openrlhf.utils.agent:AgentExecutorBase", name)
+    globals()[name] = cls
+    return cls

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -70,6 +71,15 @@ class ServiceConfig:
             max_turns=int(max_turns) if max_turns else None,
             run_id=environ.get("ROLLOUT_RUN_ID") or None,
         )
+
+
+def on_trainer_base(behaviour: type, base: str, name: str) -> type:
+    """`behaviour` as a subclass of the trainer's class `base` ("module:Class"), named `name`: for a
+    trainer that takes only its own class's subclasses, imported when first asked for (a module's
+    __getattr__), so that the adapter's module imports without the trainer."""
+    module, _, attribute = base.partition(":")
+    trainer_base = getattr(importlib.import_module(module), attribute)
+    return type(name, (behaviour, trainer_base), {"__module__": behaviour.__module__})
 
 
 def sglang_sampling_params(params: Any) -> dict[str, Any]:

@@ -51,9 +51,9 @@ from rollout_client.steps import (
     StepBatch,
     StepCounts,
     batch_id,
-    on_trainer_base,
     pull_step_async,
     response_for_trainer,
+    trainer_class,
 )
 
 AREAL_COMMIT = "4aef98d8d818af55b43621aaadba047ae10f4e77"
@@ -181,10 +181,7 @@ class ServiceWorkflow:
         return [trajectory(episode, self.max_response_tokens, self.counts) for episode in episodes]
 
 
-def __getattr__(name: str) -> Any:
-    """`rollout_client.areal.RolloutServiceWorkflow`, built on first use (it needs AReaL)."""
-    if name != "RolloutServiceWorkflow":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    cls = on_trainer_base(ServiceWorkflow, "areal.api.workflow_api:RolloutWorkflow", name)
-    globals()[name] = cls
-    return cls
+# `rollout_client.areal.RolloutServiceWorkflow`: built on first use (it needs the trainer).
+__getattr__ = trainer_class(
+    "RolloutServiceWorkflow", ServiceWorkflow, "areal.api.workflow_api:RolloutWorkflow", globals()
+)

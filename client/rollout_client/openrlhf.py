@@ -49,11 +49,11 @@ from rollout_client.steps import (
     StepCounts,
     batch_id,
     digest,
-    on_trainer_base,
     pull_step_async,
     response_for_trainer,
     rewards_for_grpo,
     sglang_sampling_params,
+    trainer_class,
 )
 
 OPENRLHF_COMMIT = "3c3be6234e0cb353e76bb8019947db9dfe99fca7"
@@ -179,10 +179,7 @@ class ServiceExecutor:
         ]
 
 
-def __getattr__(name: str) -> Any:
-    """`from rollout_client.openrlhf import AgentExecutor`, built on first use (it needs OpenRLHF)."""
-    if name != "AgentExecutor":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    cls = on_trainer_base(ServiceExecutor, "openrlhf.utils.agent:AgentExecutorBase", name)
-    globals()[name] = cls
-    return cls
+# `from rollout_client.openrlhf import AgentExecutor`: built on first use (it needs the trainer).
+__getattr__ = trainer_class(
+    "AgentExecutor", ServiceExecutor, "openrlhf.utils.agent:AgentExecutorBase", globals()
+)

@@ -11,7 +11,7 @@ import importlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,13 +73,20 @@ class ServiceConfig:
         )
 
 
-def on_trainer_base(behaviour: type, base: str, name: str) -> type:
-    """`behaviour` as a subclass of the trainer's class `base` ("module:Class"), named `name`: for a
-    trainer that takes only its own class's subclasses, imported when first asked for (a module's
-    __getattr__), so that the adapter's module imports without the trainer."""
-    module, _, attribute = base.partition(":")
-    trainer_base = getattr(importlib.import_module(module), attribute)
-    return type(name, (behaviour, trainer_base), {"__module__": behaviour.__module__})
+def trainer_class(name: str, behaviour: type, base: str, namespace: dict[str, Any]) -> Callable[[str], Any]:
+    """A module's __getattr__ that names `behaviour` as a subclass of the trainer's class `base`
+    ("module:Class"), for a trainer that takes only its own class's subclasses: built when first
+    asked for, so that the adapter's module imports without the trainer."""
+
+    def attribute(asked: str) -> Any:
+        if asked != name:
+            raise AttributeError(f"module {namespace['__name__']!r} has no attribute {asked!r}")
+        module, _, attribute_name = base.partition(":")
+        trainer_base = getattr(importlib.import_module(module), attribute_name)
+        namespace[name] = type(name, (behaviour, trainer_base), {"__module__": behaviour.__module__})
+        return namespace[name]
+
+    return attribute
 
 
 def sglang_sampling_params(params: Any) -> dict[str, Any]:

@@ -44,14 +44,13 @@ import numpy.typing as npt
 
 from rollout_client.batch import EpisodeArrays
 from rollout_client.client import AsyncRolloutClient
-from rollout_client.siblings import SiblingCalls
+from rollout_client.siblings import LoopWaiter, SiblingCalls
 from rollout_client.steps import (
     TRAINABLE_STATUSES,
     ServiceConfig,
     StepBatch,
     StepCounts,
     batch_id,
-    pull_step_async,
     response_for_trainer,
     trainer_class,
 )
@@ -148,6 +147,7 @@ class ServiceWorkflow:
         self.service = service or ServiceConfig.from_env(adapter="areal")
         self.run_id = self.service.run_id or "areal-" + uuid.uuid4().hex[:12]
         self.counts = StepCounts()
+        self._waiter = LoopWaiter(self.service.url, self.service.api_key)
         self._siblings: SiblingCalls[dict[str, npt.NDArray[Any]] | None] = SiblingCalls()
         self._occurrences: dict[tuple[int, int], int] = {}
 
@@ -177,7 +177,7 @@ class ServiceWorkflow:
             metadata={"areal_version": version},
         )
         async with AsyncRolloutClient(self.service.url, self.service.api_key) as client:
-            [episodes] = await pull_step_async(client, step, self.counts)
+            episodes = await self._waiter().group(client, step, self.counts)
         return [trajectory(episode, self.max_response_tokens, self.counts) for episode in episodes]
 
 

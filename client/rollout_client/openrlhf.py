@@ -41,7 +41,7 @@ import numpy as np
 
 from rollout_client.batch import EpisodeArrays
 from rollout_client.client import AsyncRolloutClient
-from rollout_client.siblings import SiblingCalls
+from rollout_client.siblings import LoopWaiter, SiblingCalls
 from rollout_client.steps import (
     TRAINABLE_STATUSES,
     ServiceConfig,
@@ -49,7 +49,6 @@ from rollout_client.steps import (
     StepCounts,
     batch_id,
     digest,
-    pull_step_async,
     response_for_trainer,
     rewards_for_grpo,
     sglang_sampling_params,
@@ -129,6 +128,7 @@ class ServiceExecutor:
         self.service = service or ServiceConfig.from_env(adapter="openrlhf")
         self.run_id = self.service.run_id or "openrlhf-" + uuid.uuid4().hex[:12]
         self.counts = StepCounts()
+        self._waiter = LoopWaiter(self.service.url, self.service.api_key)
         self._siblings: SiblingCalls[dict[str, Any]] = SiblingCalls()
         self._occurrences: dict[str, int] = {}
 
@@ -170,7 +170,7 @@ class ServiceExecutor:
             metadata={"openrlhf_occurrence": occurrence},
         )
         async with AsyncRolloutClient(self.service.url, self.service.api_key) as client:
-            [episodes] = await pull_step_async(client, step, self.counts)
+            episodes = await self._waiter().group(client, step, self.counts)
         with_logprobs = getattr(sampling_params, "logprobs", None) is not None
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return [

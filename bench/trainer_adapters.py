@@ -1,13 +1,16 @@
-"""The trainer adapters' overhead (rollout_client.verl, .trl, .skyrl, and slime's generate_rollout)
+"""The trainer adapters' overhead (rollout_client.verl, .trl, .skyrl, .areal, .openrlhf, and slime's
+generate_rollout)
 against pulling the same groups with the bare client, for a step of `--groups` x `--samples`.
 
 The service runs in this process against the simulated SGLang worker (its own thread); the
 trainers are the stand-ins under tests/ (verl's DataProto, TRL's trainer fields, SkyRL's
-prepare_generator_input, slime's data source). Each way runs the same step shape, in turn:
+prepare_generator_input, slime's data source, AReaL's GroupedRolloutWorkflow, OpenRLHF's
+generate_responses). Each way runs the same step shape, in turn:
 
 - `bare_client` (the baseline): RolloutClient.submit, then GET /groups until every group came,
   the episodes decoded (EpisodeArrays) and nothing more;
-- `slime`, `verl`, `trl`, `skyrl`: the adapter's step, returning the trainer's own types.
+- `slime`, `verl`, `trl`, `skyrl`, `areal`, `openrlhf`: the adapter's step, returning the trainer's
+  own types (AReaL and OpenRLHF ask per prompt: one service batch per group, not per step).
 
 Two figures per way. `cold`: a fresh step (its episodes run in the service), seconds, median over
 `--steps`. `warm`: the same step asked again (its batch id is the step's, so the complete batch is
@@ -32,17 +35,30 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-for standin in ("slime_standin", "verl_standin", "trl_standin", "skyrl_standin"):
+for standin in (
+    "slime_standin",
+    "verl_standin",
+    "trl_standin",
+    "skyrl_standin",
+    "areal_standin",
+    "openrlhf_standin",
+):
     sys.path.insert(0, str(REPO / "tests" / standin))
 
 import numpy as np  # noqa: E402
+from areal.api.cli_args import GenerationHyperparameters  # noqa: E402
+from areal.infra.remote_inf_engine import RemoteInfEngine  # noqa: E402
+from openrlhf.trainer.ppo_utils.samples_generator import SamplingParams  # noqa: E402
 from rollout_client import RolloutClient  # noqa: E402
+from rollout_client import areal as areal_adapter  # noqa: E402
+from rollout_client import openrlhf as openrlhf_adapter  # noqa: E402
 from rollout_client import skyrl as skyrl_adapter  # noqa: E402
 from rollout_client import slime as slime_hooks  # noqa: E402
 from rollout_client import trl as trl_adapter  # noqa: E402
@@ -63,6 +79,7 @@ from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_th
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8192}
 GOAL = "an adapter adds <= 5% to a step's wall time over pulling the same groups with the bare client"
 MAX_TURNS = 30
+ADAPTERS = ("slime", "verl", "trl", "skyrl", "areal", "openrlhf")
 PROMPT_LENGTH = 4096  # verl's prompt_length; TRL's and SkyRL's caps are set as high: no cut here
 RESPONSE_LENGTH = 8192
 
@@ -90,6 +107,10 @@ def verl_config(samples: int) -> Attr:
 
 class NumpyManager(verl_adapter.RolloutServiceAgentLoopManager):
     tensor = staticmethod(np.asarray)  # the stand-in's DataProto holds numpy for torch
+
+
+class NumpyWorkflow(areal_adapter.RolloutServiceWorkflow):  # type: ignore[misc,name-defined]
+    tensor = staticmethod(np.asarray)  # the stand-in's trajectories hold numpy for torch
 
 
 def step_tasks(step: int, groups: int) -> list[int]:
@@ -161,6 +182,38 @@ def skyrl_step(generator: skyrl_adapter.RolloutServiceGenerator, step: int, grou
     return len(asyncio.run(generator.generate(generator_input))["response_ids"])
 
 
+def areal_step(service: Any, step: int, groups: int, samples: int) -> int:
+    """AReaL's rollout of a step's prompts; the workflow is new (a restarted trainer), the engine's
+    version the step, so the same step asks for the same batches."""
+    workflow = NumpyWorkflow(
+        GenerationHyperparameters(n_samples=samples, max_new_tokens=8192), service=service
+    )
+    engine = RemoteInfEngine()
+    engine.set_version(step)
+    data = [{"task_index": task} for task in step_tasks(step, groups)]
+    engine.rollout_batch(data, workflow, None, group_size=samples)
+    return sum(workflow.counts.statuses.values())  # AReaL takes the trained rows only
+
+
+def openrlhf_step(service: Any, tokenizer: Any, step: int, groups: int, samples: int) -> int:
+    """OpenRLHF's rollout actor on a step's prompts (generate_responses: `samples` execute calls
+    each); a new executor, its run id the step's (OpenRLHF tells an executor no step)."""
+    executor = openrlhf_adapter.AgentExecutor(service=replace(service, run_id=f"bench-openrlhf-{step}"))
+
+    async def prompt(task: int) -> list[dict[str, Any]]:
+        params = SamplingParams(max_tokens=8192, logprobs=1)
+        calls = [
+            executor.execute(str(task), str(task), params, PROMPT_LENGTH + RESPONSE_LENGTH, tokenizer, None)
+            for _ in range(samples)
+        ]
+        return list(await asyncio.gather(*calls))
+
+    async def rollout() -> list[list[dict[str, Any]]]:
+        return list(await asyncio.gather(*[prompt(task) for task in step_tasks(step, groups)]))
+
+    return sum(len(responses) for responses in asyncio.run(rollout()))
+
+
 async def run(database_url: str, args: argparse.Namespace) -> dict[str, Any]:
     # No rambling turns: every way has the same caps, and none cuts a response.
     sim = SimWorker(SimConfig(latency_seconds=args.latency, ramble_rate=0.0))
@@ -186,6 +239,8 @@ async def run(database_url: str, args: argparse.Namespace) -> dict[str, Any]:
                 "verl": lambda step: verl_step(manager, step, g, n),
                 "trl": lambda step: trl_step(rollout, tokenizer, step, g, n),
                 "skyrl": lambda step: skyrl_step(generator, step, g, n),
+                "areal": lambda step: areal_step(service, step, g, n),
+                "openrlhf": lambda step: openrlhf_step(service, tokenizer, step, g, n),
             }
             cold: dict[str, list[float]] = {way: [] for way in ways}
             warm: dict[str, list[float]] = {way: [] for way in ways}
@@ -234,9 +289,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, fresh_database(args.database, Path(tmp), migrate=True) as url:
         runs = run_loop(run(url, args))
-    for way in ("bare_client", "slime", "verl", "trl", "skyrl"):
+    for way in ("bare_client", *ADAPTERS):
         print(way, json.dumps(runs[way]), flush=True)
-    adapters = ("slime", "verl", "trl", "skyrl")
+    adapters = ADAPTERS
     result = {
         "bench": "trainer_adapters",
         "database": args.database,

@@ -189,6 +189,6 @@ def test_trainer_adapters_quick(capsys: pytest.CaptureFixture[str]) -> None:
     )
     result = last_json_line(capsys.readouterr().out)
     assert result == json.loads(json.dumps(returned))
-    for way in ("bare_client", "slime", "verl", "trl", "skyrl"):
+    for way in ("bare_client", "slime", "verl", "trl", "skyrl", "areal", "openrlhf"):
         assert_positive(result[way], "cold_seconds", "warm_seconds")
     assert "max_overhead_of_step" in result and result["verl_vs_slime_cold"] > 0

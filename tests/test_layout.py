@@ -128,17 +128,17 @@ def test_the_core_imports_nothing_of_the_service() -> None:
     assert graph.find_modules_directly_imported_by("service.records") == set()
 
 
-ADAPTERS = ["slime", "verl", "trl", "skyrl"]
+ADAPTERS = ["slime", "verl", "trl", "skyrl", "areal", "openrlhf"]
 
 
 def test_the_client_stands_alone() -> None:
     """rollout_client goes into a trainer's environment: it pulls in no part of the service, no web
     framework, database or tokenizer, and its package asks for httpx, pyarrow and numpy only."""
     heavy = ["service", "fastapi", "sqlalchemy", "transformers", "torch", "tau_bench", "uvicorn"]
-    heavy += ["slime", "verl", "trl", "skyrl"]  # the trainers: imported by the adapters when used
+    heavy += ["slime", "verl", "trl", "skyrl", "areal", "openrlhf"]  # the trainers: imported when used
     check = (
         "import sys, rollout_client, rollout_client.slime, rollout_client.verl, rollout_client.trl, "
-        "rollout_client.skyrl; "
+        "rollout_client.skyrl, rollout_client.areal, rollout_client.openrlhf; "
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))"
     )
     loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)

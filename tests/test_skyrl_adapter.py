@@ -8,39 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from sqlalchemy import select
-from transformers import AutoTokenizer
 
-from service.config import TEST_TOKENIZER_DIR
 from service.sim.worker import SimWorker
 from service.storage.db import Database
 from service.storage.models import Batch, Episode
 from tests.support.service_process import wait_for
-from tests.support.trainer_service import adapter_service, batch_ids_of, stored_episodes
+from tests.support.trainer_service import batch_ids_of, stored_episodes
 
 sys.path.insert(0, str(Path(__file__).parent / "skyrl_standin"))
 
 from rollout_client import skyrl as adapter
 from skyrl.train.generators.utils import prepare_generator_input
 
+pytest_plugins = ("tests.support.trainer_fixtures",)
 PINNED_SKYRL = "a9564572eb8e91076be43c1bd5e4615e3de17265"
-
-
-@pytest.fixture
-async def service(database_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, SimWorker]]:
-    async with adapter_service(database_url, monkeypatch) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Iterator[Any]:
-    yield AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
 
 
 def skyrl_cfg(n: int = 4, max_input_length: int = 8192, max_generate_length: int = 1024) -> SimpleNamespace:

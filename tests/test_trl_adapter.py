@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from sqlalchemy import select
-from transformers import AutoTokenizer
 
-from service.config import TEST_TOKENIZER_DIR
 from service.sim.worker import SimWorker
 from service.storage.db import Database
 from service.storage.models import Batch, Episode
-from tests.support.trainer_service import adapter_service, batch_ids_of, stored_episodes
+from tests.support.trainer_service import batch_ids_of, stored_episodes
 
 sys.path.insert(0, str(Path(__file__).parent / "trl_standin"))
 
@@ -30,18 +27,8 @@ from rollout_client import trl as adapter
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.grpo_trainer import repeat_sampler
 
+pytest_plugins = ("tests.support.trainer_fixtures",)
 PINNED_TRL = "f2cd57710ae345ea6428ae95363267fcf38a3dc8"
-
-
-@pytest.fixture
-async def service(database_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, SimWorker]]:
-    async with adapter_service(database_url, monkeypatch) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Iterator[Any]:
-    yield AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
 
 
 def trainer(tokenizer: Any, **config: Any) -> GRPOTrainer:

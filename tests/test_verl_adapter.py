@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from service.config import TEST_TOKENIZER_DIR
 from service.sim.worker import SimWorker
 from service.storage.db import Database
 from service.storage.models import Batch, Episode
-from tests.support.trainer_service import adapter_service, batch_ids_of, stored_episodes
+from tests.support.trainer_service import batch_ids_of, stored_episodes
 
 sys.path.insert(0, str(Path(__file__).parent / "verl_standin"))
 
@@ -28,6 +27,7 @@ from rollout_client import RolloutClient
 from rollout_client import verl as adapter
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
+pytest_plugins = ("tests.support.trainer_fixtures",)
 PINNED_VERL = "b178a3cd56f58b2d502255daba591e92833930a7"
 MANAGER = "tests.test_verl_adapter.NumpyManager"  # the adapter's class, numpy for torch (see README)
 PAD = 0
@@ -78,12 +78,6 @@ def dataloader_batch(tasks: list[int]) -> dict[str, Any]:
         "extra_info": extra,
         "data_source": np.array(["builtin/shop"] * len(tasks), dtype=object),
     }
-
-
-@pytest.fixture
-async def service(database_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, SimWorker]]:
-    async with adapter_service(database_url, monkeypatch) as running:
-        yield running
 
 
 def assert_rows_are_the_episodes(batch: Any, episodes: dict[str, dict[str, Any]], config: Config) -> None:

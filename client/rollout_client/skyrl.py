@@ -39,27 +39,18 @@ from typing import Any
 from rollout_client.batch import EpisodeArrays
 from rollout_client.client import AsyncRolloutClient
 from rollout_client.steps import (
-    TRAINABLE_STATUSES,
     ServiceConfig,
     StepBatch,
     StepCounts,
     batch_id,
     digest,
     pull_step_async,
+    response_for_trainer,
     rewards_for_grpo,
+    sglang_sampling_params,
 )
 
 SKYRL_COMMIT = "a9564572eb8e91076be43c1bd5e4615e3de17265"
-# SkyRL's vLLM sampling params -> SGLang's (the service passes them to SGLang per turn).
-SAMPLING_NAMES = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "max_tokens": "max_new_tokens",
-    "stop": "stop",
-    "skip_special_tokens": "skip_special_tokens",
-}
 
 
 def _field(config: Any, *path: str) -> Any:
@@ -84,10 +75,6 @@ def task_of_row(prompt: Any, extras: Mapping[str, Any] | None) -> int:
             "rollout_client.skyrl: a row needs env_extras['task_index'], or a prompt whose last message "
             f"is the task index, not {content!r}"
         ) from None
-
-
-def sampling_params(params: Mapping[str, Any] | None) -> dict[str, Any]:
-    return {SAMPLING_NAMES[k]: v for k, v in (params or {}).items() if k in SAMPLING_NAMES and v is not None}
 
 
 def _stop_reason(episode: EpisodeArrays) -> str:
@@ -145,7 +132,7 @@ class RolloutServiceGenerator:
                     tasks=tasks,
                     samples=size,
                     task_split=self.service.task_split if phase == "train" else self.service.eval_task_split,
-                    sampling_params=sampling_params(input_batch.get("sampling_params")),
+                    sampling_params=sglang_sampling_params(input_batch.get("sampling_params")),
                     max_turns=self.service.max_turns,
                     max_response_tokens=self.max_input_length,
                     metadata={"skyrl_step": step, "skyrl_phase": phase},
@@ -193,31 +180,18 @@ class RolloutServiceGenerator:
         for episode in rows:
             if episode is None:
                 raise RuntimeError("a prompt got no episode")
-            cap = self.response_cap(episode)
-            length = len(episode.response_ids)
-            cut = cap is not None and length > cap
-            kept = cap if cut and cap is not None else length
-            counts.cut += cut
-            trained = episode.status in TRAINABLE_STATUSES
-            counts.masked += not trained
+            response = response_for_trainer(episode, self.response_cap(episode), self.pad_token_id, counts)
             out["prompt_token_ids"].append(episode.prompt_ids.tolist())
-            if kept == 0:  # SkyRL puts the reward on the last token: one masked pad token
-                out["response_ids"].append([self.pad_token_id])
-                out["loss_masks"].append([0])
-                out["rollout_logprobs"].append([0.0])
-            else:
-                out["response_ids"].append(episode.response_ids[:kept].tolist())
-                out["loss_masks"].append(
-                    episode.loss_mask[:kept].astype(int).tolist() if trained else [0] * kept
-                )
-                out["rollout_logprobs"].append(episode.rollout_logprobs[:kept].tolist())
+            out["response_ids"].append(response.ids.tolist())
+            out["loss_masks"].append(response.mask.astype(int).tolist())
+            out["rollout_logprobs"].append(response.logprobs.tolist())
             out["stop_reasons"].append(_stop_reason(episode))
             out["env_metrics"].append({
                 "episode_id": episode.episode_id,
                 "status": episode.status,
                 "num_turns": episode.num_turns,
                 "weight_versions": list(episode.weight_versions),
-                "response_cut": cut,
+                "response_cut": response.cut,
             })  # fmt: skip
         return {
             **out,

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from rollout_client.batch import EpisodeArrays
 from rollout_client.client import AsyncRolloutClient, RolloutClient
@@ -25,6 +29,16 @@ GROUPS_PER_PAGE = 256  # groups per page of GET /groups, at most
 # Trained on: the policy's own episodes. An aborted episode (the engine refused it, or the policy's
 # output could not be parsed) and a failed or cancelled one (infrastructure, or nobody's) are not.
 TRAINABLE_STATUSES = frozenset({"completed", "truncated"})
+# vLLM's sampling params (SkyRL's, OpenRLHF's) -> SGLang's (the service passes them to SGLang per turn).
+VLLM_SAMPLING_NAMES = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "max_tokens": "max_new_tokens",
+    "stop": "stop",
+    "skip_special_tokens": "skip_special_tokens",
+}
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,35 @@ class ServiceConfig:
             max_turns=int(max_turns) if max_turns else None,
             run_id=environ.get("ROLLOUT_RUN_ID") or None,
         )
+
+
+def trainer_class(name: str, behaviour: type, base: str, namespace: dict[str, Any]) -> Callable[[str], Any]:
+    """A module's __getattr__ that names `behaviour` as a subclass of the trainer's class `base`
+    ("module:Class"), for a trainer that takes only its own class's subclasses: built when first
+    asked for, so that the adapter's module imports without the trainer."""
+
+    def attribute(asked: str) -> Any:
+        if asked != name:
+            raise AttributeError(f"module {namespace['__name__']!r} has no attribute {asked!r}")
+        module, _, attribute_name = base.partition(":")
+        trainer_base = getattr(importlib.import_module(module), attribute_name)
+        namespace[name] = type(name, (behaviour, trainer_base), {"__module__": behaviour.__module__})
+        return namespace[name]
+
+    return attribute
+
+
+def sglang_sampling_params(params: Any) -> dict[str, Any]:
+    """vLLM's sampling params (a mapping, or a SamplingParams) as SGLang's; unset ones left out."""
+    if params is None:
+        return {}
+    if isinstance(params, Mapping):
+        values = dict(params)
+    else:
+        values = {name: getattr(params, name, None) for name in VLLM_SAMPLING_NAMES}
+    return {
+        VLLM_SAMPLING_NAMES[k]: v for k, v in values.items() if k in VLLM_SAMPLING_NAMES and v is not None
+    }
 
 
 def batch_id(*parts: object) -> str:
@@ -128,6 +171,36 @@ def rewards_for_grpo(episodes: Sequence[EpisodeArrays]) -> list[float]:
     trained = [float(e.reward or 0.0) for e in episodes if e.status in TRAINABLE_STATUSES]
     fill = sum(trained) / len(trained) if trained else 0.0
     return [float(e.reward or 0.0) if e.status in TRAINABLE_STATUSES else fill for e in episodes]
+
+
+@dataclass(frozen=True)
+class TrainerResponse:
+    """An episode's response as a trainer takes it: exactly the stored tokens, up to the cap."""
+
+    ids: npt.NDArray[np.int32]
+    mask: npt.NDArray[np.uint8]  # all 0 for an episode not trained on
+    logprobs: npt.NDArray[np.float64]
+    cut: bool  # longer than the cap: ids, mask and logprobs cut alike
+
+
+def response_for_trainer(
+    episode: EpisodeArrays, cap: int | None, pad_token_id: int, counts: StepCounts
+) -> TrainerResponse:
+    """The episode's response cut at `cap` (counted), its mask zeroed if it is not trained on
+    (counted as masked); an episode that sampled nothing gets one masked pad token, since the
+    trainers read a completion's last token (its reward goes there)."""
+    length = len(episode.response_ids)
+    cut = cap is not None and length > cap
+    kept = min(length, cap) if cap is not None else length
+    counts.cut += cut
+    trained = episode.status in TRAINABLE_STATUSES
+    counts.masked += not trained
+    if kept == 0:
+        return TrainerResponse(
+            np.array([pad_token_id], np.int32), np.zeros(1, np.uint8), np.zeros(1, np.float64), cut
+        )
+    mask = episode.loss_mask[:kept] if trained else np.zeros(kept, np.uint8)
+    return TrainerResponse(episode.response_ids[:kept], mask, episode.rollout_logprobs[:kept], cut)
 
 
 def _check_group(step: StepBatch, group: int, episodes: list[EpisodeArrays]) -> None:

@@ -41,6 +41,7 @@ from rollout_client.steps import (
     batch_id,
     digest,
     pull_step,
+    response_for_trainer,
 )
 
 TRL_COMMIT = "f2cd57710ae345ea6428ae95363267fcf38a3dc8"
@@ -170,26 +171,17 @@ def completions(
     for episode in rows:
         if episode is None:
             raise RuntimeError("a prompt got no episode")
-        length = len(episode.response_ids)
-        cut = cap is not None and length > cap
-        kept = cap if cut and cap is not None else length
-        counts.cut += cut
+        response = response_for_trainer(episode, cap, pad_token_id, counts)
         trained = episode.status in TRAINABLE_STATUSES
-        counts.masked += not trained
         out["prompt_ids"].append(episode.prompt_ids.tolist())
-        if kept == 0:
-            out["completion_ids"].append([pad_token_id])
-            out["logprobs"].append([0.0])
-            out["env_mask"].append([0])
-        else:
-            out["completion_ids"].append(episode.response_ids[:kept].tolist())
-            out["logprobs"].append(episode.rollout_logprobs[:kept].tolist())
-            out["env_mask"].append(episode.loss_mask[:kept].astype(int).tolist() if trained else [0] * kept)
+        out["completion_ids"].append(response.ids.tolist())
+        out["logprobs"].append(response.logprobs.tolist())
+        out["env_mask"].append(response.mask.astype(int).tolist())
         out["service_reward"].append(float(episode.reward or 0.0) if trained else None)
         out["episode_id"].append(episode.episode_id)
         out["episode_status"].append(episode.status)
         out["weight_versions"].append(list(episode.weight_versions))
-        out["response_cut"].append(cut)
+        out["response_cut"].append(response.cut)
     return dict(out)
 
 

@@ -103,48 +103,69 @@ def task_of_row(non_tensors: Mapping[str, Any], row: int) -> int:
     raise ValueError("a verl row needs extra_info.task_index or index (the dataset's extra_info.index)")
 
 
+def _positions(
+    width: int, starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """Flat (row-major) positions, in a (rows, width) array, of `lengths[r]` columns from
+    `starts[r]` in each row r: where the rows' parts, concatenated, go."""
+    before = np.cumsum(lengths) - lengths
+    row_starts = np.arange(len(lengths), dtype=np.int64) * width + starts
+    return np.repeat(row_starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _fill(dense: npt.NDArray[Any], positions: npt.NDArray[np.int64], parts: list[npt.NDArray[Any]]) -> None:
+    """Writes the rows' parts, concatenated, at `positions` of `dense`: one copy for the batch, not
+    one per row (a trainer's thread waits for the GIL after each numpy copy, which releases it)."""
+    if parts:
+        dense.reshape(-1)[positions] = np.concatenate(parts)
+
+
 def build_arrays(
     rows: Sequence[EpisodeArrays], rewards: Sequence[float], shape: VerlShape, counts: StepCounts
 ) -> VerlArrays:
-    """The tensors of verl's AgentLoopWorker._postprocess for these episodes, one row each."""
+    """The tensors of verl's AgentLoopWorker._postprocess for these episodes, one row each, filled
+    batch-wide: a handful of numpy calls whatever the rows, each over the batch's tokens or its
+    dense tensors (rows x (prompt + response length), the cost that is left)."""
     size, plen, rlen = len(rows), shape.prompt_length, shape.response_length
+    prompt_lengths = np.fromiter((len(e.prompt_ids) for e in rows), dtype=np.int64, count=size)
+    if size and prompt_lengths.max() > plen:
+        episode = rows[int(prompt_lengths.argmax())]
+        raise ValueError(
+            f"episode {episode.episode_id}'s prompt has {len(episode.prompt_ids)} tokens, more than "
+            f"actor_rollout_ref.rollout.prompt_length={plen}: raise it (verl never cuts a prompt)"
+        )
+    lengths = np.fromiter((len(e.response_ids) for e in rows), dtype=np.int64, count=size)
+    kept = np.minimum(lengths, rlen)
+    trained = np.fromiter((e.status in TRAINABLE_STATUSES for e in rows), dtype=bool, count=size)
+    counts.cut += int((lengths > rlen).sum())
+    counts.masked += int(size - trained.sum())
+    cuts = kept.tolist()
+
     prompts = np.full((size, plen), shape.pad_token_id, dtype=np.int64)
+    _fill(prompts, _positions(plen, plen - prompt_lengths, prompt_lengths), [e.prompt_ids for e in rows])
+    sampled = _positions(rlen, np.zeros(size, dtype=np.int64), kept)
     responses = np.full((size, rlen), shape.pad_token_id, dtype=np.int64)
-    response_mask = np.zeros((size, rlen), dtype=np.int64)
+    _fill(responses, sampled, [e.response_ids[:k] for e, k in zip(rows, cuts, strict=True)])
     logprobs = np.zeros((size, rlen), dtype=np.float32)
-    attention = np.zeros((size, plen + rlen), dtype=np.int64)
+    _fill(logprobs, sampled, [e.rollout_logprobs[:k] for e, k in zip(rows, cuts, strict=True)])
+    response_mask = np.zeros((size, rlen), dtype=np.int64)
+    masks = [
+        e.loss_mask[:k] if t else np.zeros(k, np.uint8) for e, k, t in zip(rows, cuts, trained, strict=True)
+    ]
+    _fill(response_mask, sampled, masks)
+    # Attended: the left-padded prompt, then the response (one masked pad token if nothing was
+    # sampled, so that the row has a last token for its reward).
+    response_lengths = np.maximum(kept, 1)
     scores = np.zeros((size, rlen), dtype=np.float32)
-    for row, (episode, reward) in enumerate(zip(rows, rewards, strict=True)):
-        prompt = episode.prompt_ids
-        if len(prompt) > plen:
-            raise ValueError(
-                f"episode {episode.episode_id}'s prompt has {len(prompt)} tokens, more than "
-                f"actor_rollout_ref.rollout.prompt_length={plen}: raise it (verl never cuts a prompt)"
-            )
-        prompts[row, plen - len(prompt) :] = prompt
-        attention[row, plen - len(prompt) : plen] = 1
-        length = len(episode.response_ids)
-        if length > rlen:
-            counts.cut += 1
-            length = rlen
-        if length == 0:  # nothing sampled: one masked pad token, so the row has a last token
-            attention[row, plen] = 1
-            length_for_score = 1
-        else:
-            responses[row, :length] = episode.response_ids[:length]
-            attention[row, plen : plen + length] = 1
-            if episode.status in TRAINABLE_STATUSES:
-                response_mask[row, :length] = episode.loss_mask[:length]
-            logprobs[row, :length] = episode.rollout_logprobs[:length]
-            length_for_score = length
-        if episode.status not in TRAINABLE_STATUSES:
-            counts.masked += 1
-        scores[row, length_for_score - 1] = reward
+    scores[np.arange(size), response_lengths - 1] = rewards
     input_ids = np.concatenate([prompts, responses], axis=1)
-    # verl's compute_position_id_with_mask: cumsum of the attention mask, from 0, clipped at 0
-    position_ids = np.cumsum(attention, axis=1)
-    position_ids -= 1
-    np.maximum(position_ids, 0, out=position_ids)  # in place: np.clip's copy cost more than the rest
+    attended = prompt_lengths + response_lengths
+    attention = np.zeros((size, plen + rlen), dtype=np.int64)
+    attention.reshape(-1)[_positions(plen + rlen, plen - prompt_lengths, attended)] = 1
+    # verl's compute_position_id_with_mask (the attention mask's cumsum, from 0, clipped at 0) is,
+    # on such a row, the column less the prompt's padding, clipped to [0, attended - 1].
+    position_ids = np.subtract(np.arange(plen + rlen, dtype=np.int64), (plen - prompt_lengths)[:, None])
+    np.clip(position_ids, 0, (attended - 1)[:, None], out=position_ids)
     tensors = {
         "prompts": prompts,
         "responses": responses,

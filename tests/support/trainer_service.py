@@ -1,6 +1,7 @@
 """The service the trainer adapters' tests run against: the app served on a free port over the
 test's database, the simulated SGLang worker in its own thread, and the adapter's environment
-variables set; and the stored episode, read back to compare with what the trainer received."""
+variables set; and the stored episode, read back to compare with what the trainer received.
+Its fixtures are in tests/support/trainer_fixtures.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,3 @@
+from areal.api.workflow_api import RolloutWorkflow
+
+__all__ = ["RolloutWorkflow"]

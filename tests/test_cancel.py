@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from rollout_client import AsyncRolloutClient
+
 from service.app import create_app
 from service.records import FINISHED_STATUSES
 from service.serving import serve_app

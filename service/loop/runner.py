@@ -315,7 +315,7 @@ class _Episode:
         engine_down: bool = False,
     ) -> EpisodeResult:
         message = error if error is not None else self.note
-        if status is EpisodeStatus.FAILED:
+        if status is EpisodeStatus.FAILED and not engine_down:  # an outage: the worker says what follows
             logger.warning("episode %s failed: %s", self.spec.episode_id, message)
         reward = self.reward
         if status is EpisodeStatus.FAILED:

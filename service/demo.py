@@ -90,7 +90,7 @@ async def _run(settings: Settings, tasks: int, samples: int) -> int:
         print(summarize(table, batch["counts"], elapsed))
         print(f"pulled     {table.num_rows} rows as Arrow ({len(arrow.content) / 1e6:.2f} MB) from {url}")
         print(
-            f"look at it: DATABASE_URL={settings.database_url} {_python()} -m service serve, then "
+            f"look at it: DATABASE_URL={settings.database_url} {python_command()} -m service serve, then "
             f"http://127.0.0.1:8000/ui/#/batches/{batch_id}"
         )
         return 0 if batch["counts"]["failed"] == 0 else 1
@@ -99,7 +99,7 @@ async def _run(settings: Settings, tasks: int, samples: int) -> int:
 ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
-def _python() -> str:
+def python_command() -> str:
     """The python that runs this (the venv's, where the service is installed), as a path to type:
     relative to the working directory when it is under it (`.venv/bin/python`)."""
     executable = Path(sys.executable)

@@ -64,41 +64,67 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and args.api_processes is not None and args.api_processes < 0:
         parser.error("--api-processes must be at least 0")
 
+    from pydantic import ValidationError
+
     from service.config import Settings
     from service.logs import configure_logging
 
-    settings = Settings()
+    quiet_transformers()
+    try:
+        settings = Settings()
+    except ValidationError as error:
+        for item in error.errors():
+            name = str(item["loc"][0]).upper() if item["loc"] else "a setting"
+            print(f"error: {name}: {item['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level)
-    if args.command == "migrate":
-        from service.storage.db import run_migrations
+    if args.command in ("migrate", "serve"):
+        from sqlalchemy.engine import make_url
 
-        run_migrations(settings.database_url)
+        from service.storage.errors import sqlite_problem
+
+        url = make_url(settings.database_url)
+        if url.get_backend_name() == "sqlite" and (problem := sqlite_problem(url.database)) is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+    if args.command == "migrate":
+        return migrate(settings.database_url)
     elif args.command == "serve":
-        from service.storage.db import SchemaOutOfDate, check_schema, is_sqlite, run_migrations
+        from service.storage.db import SchemaOutOfDate, check_schema, is_sqlite
 
         if args.migrate or is_sqlite(settings.database_url):  # an embedded database: nobody else migrates it
-            run_migrations(settings.database_url)
+            if (code := migrate(settings.database_url, quiet=True)) != 0:
+                return code
         try:
             check_schema(settings.database_url)
         except SchemaOutOfDate as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+        except Exception as error:
+            return startup_failed(settings.database_url, error)
+        if (problem := tokenizer_problem(settings.tokenizer_path)) is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
         workers = settings.serve_workers if args.workers is None else args.workers
         api_processes = settings.serve_api_processes if args.api_processes is None else args.api_processes
-        if workers == 1 and api_processes == 0:
-            from service.serving import run_service
-
-            run_service(settings, args.host, args.port)
-            return 0
         from service.sockets import listen
         from service.supervisor import Supervisor
 
         try:
             sock = listen(args.host, args.port)
         except OSError as error:
-            print(f"error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
-            return 1
+            print(
+                f"error: cannot listen on {args.host}:{args.port}: {error} (another service there? "
+                "choose one with --port)",
+                file=sys.stderr,
+            )
+            return 2
         with sock:
+            if workers == 1 and api_processes == 0:
+                from service.serving import run_service
+
+                run_service(settings, sockets=[sock])
+                return 0
             return Supervisor(settings, workers, sock, api_processes=api_processes).run()
     elif args.command == "demo":
         from service.demo import run_demo
@@ -132,6 +158,54 @@ def main(argv: list[str] | None = None) -> int:
         else:
             args.output.write_text(text)
     return 0
+
+
+def quiet_transformers() -> None:
+    """transformers advises at import that PyTorch is missing; the service (and the simulated
+    worker) only tokenize, never import torch, so the advice is noise. Its real warnings stay."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def migrate(url: str, *, quiet: bool = False) -> int:
+    """`migrate`: upgrades the database and says what it did; a failure is one line, exit 2."""
+    from service.storage.db import current_revision, head_revision, run_migrations
+
+    try:
+        before = current_revision(url)
+        run_migrations(url)
+    except Exception as error:
+        return startup_failed(url, error)
+    if not quiet:
+        from sqlalchemy.engine import make_url
+
+        where = make_url(url).render_as_string(hide_password=True)
+        head = head_revision(url)
+        if before == head:
+            print(f"{where}: already at migration {head}, nothing to do")
+        else:
+            print(f"{where}: migrated from {before or 'an empty database'} to {head}")
+    return 0
+
+
+def startup_failed(url: str, error: BaseException) -> int:
+    from service.storage.errors import startup_problem
+
+    print(f"error: {startup_problem(url, error)}", file=sys.stderr)
+    return 2
+
+
+def tokenizer_problem(path: str) -> str | None:
+    """None if TOKENIZER_PATH names a directory with a tokenizer, or could be a hub id."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not any((local / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+            return f"TOKENIZER_PATH {path} holds no tokenizer.json nor tokenizer_config.json"
+        return None
+    if path.startswith(("/", ".", "~")) or path.count("/") > 1:
+        return f"TOKENIZER_PATH {path} does not exist: name the served model's tokenizer directory or hub id"
+    return None
 
 
 if __name__ == "__main__":

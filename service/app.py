@@ -56,6 +56,7 @@ async def lifespan(
     async with AsyncExitStack() as resources:
         database = await resources.enter_async_context(open_database(settings))
         engine = await resources.enter_async_context(engine_client(settings))
+        await engine.status.check()  # an engine that does not answer is logged as a warning now
         results = ResultsSignal()
         endings = Endings(
             metrics, await resources.enter_async_context(group_log(database, metrics, results)), results

@@ -6,7 +6,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.client import ABORT_QUIET_GROWTH, ABORT_QUIET_SECONDS
@@ -14,7 +14,12 @@ from service.envs.base import UserSimConfig
 from service.envs.executors import THREADS_PER_WORKER, ExecutorKind
 from service.envs.host import CALL_TIMEOUT_SECONDS
 from service.loop.runner import DEFAULT_MAX_TURN_RESUMES
-from service.storage.db import POSTGRES_MAX_OVERFLOW, POSTGRES_POOL_SIZE, POSTGRES_POOL_TIMEOUT_SECONDS
+from service.storage.db import (
+    POSTGRES_MAX_OVERFLOW,
+    POSTGRES_POOL_SIZE,
+    POSTGRES_POOL_TIMEOUT_SECONDS,
+    async_url,
+)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TEST_TOKENIZER_DIR = PACKAGE_DIR / "assets" / "tokenizer"
@@ -43,7 +48,8 @@ class Settings(BaseSettings):
 
     database_url: str = Field(
         default="sqlite+aiosqlite:///./rollouts.db",
-        description="SQLAlchemy async URL: sqlite+aiosqlite:///path or postgresql+asyncpg://user@host/db.",
+        description="SQLAlchemy async URL: sqlite+aiosqlite:///path or postgresql+asyncpg://user@host/db; "
+        "postgresql://, postgres:// and sqlite:// mean the same (the installed async drivers).",
     )
     engine: Literal["sglang", "vllm"] = Field(
         default="sglang",
@@ -172,6 +178,11 @@ class Settings(BaseSettings):
         "returns EnvSpecs), loaded in every service process as entry points are; env worker processes "
         "import each spec's factory by its module.",
     )
+
+    @field_validator("database_url")
+    @classmethod
+    def _with_async_driver(cls, url: str) -> str:
+        return async_url(url)
 
     @property
     def env_plugin_list(self) -> list[str]:

@@ -10,6 +10,7 @@ import asyncio
 import io
 import sys
 import time
+from pathlib import Path
 from statistics import mean
 from typing import Literal
 
@@ -21,7 +22,7 @@ from service.app import create_app
 from service.config import Settings
 from service.serving import serve_app
 from service.sim.worker import SimConfig, create_sim_app, serve_in_thread
-from service.storage.db import run_migrations
+from service.storage.db import async_url, run_migrations
 
 ENV = "builtin/shop"
 PROGRESS_WIDTH = 40
@@ -89,13 +90,23 @@ async def _run(settings: Settings, tasks: int, samples: int) -> int:
         print(summarize(table, batch["counts"], elapsed))
         print(f"pulled     {table.num_rows} rows as Arrow ({len(arrow.content) / 1e6:.2f} MB) from {url}")
         print(
-            f"look at it: DATABASE_URL={settings.database_url} python -m service serve, then "
+            f"look at it: DATABASE_URL={settings.database_url} {python_command()} -m service serve, then "
             f"http://127.0.0.1:8000/ui/#/batches/{batch_id}"
         )
         return 0 if batch["counts"]["failed"] == 0 else 1
 
 
 ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
+
+
+def python_command() -> str:
+    """The python that runs this (the venv's, where the service is installed), as a path to type:
+    relative to the working directory when it is under it (`.venv/bin/python`)."""
+    executable = Path(sys.executable)
+    try:
+        return str(executable.relative_to(Path.cwd()))
+    except ValueError:
+        return str(executable)
 
 
 def run_demo(
@@ -106,6 +117,7 @@ def run_demo(
     engine: Literal["sglang", "vllm"] = "sglang",
     engine_url: str | None = None,
 ) -> int:
+    database_url = async_url(database_url)
     run_migrations(database_url)
     if engine_url is not None:  # a real engine (scripts/demo_vllm.sh starts one)
         settings = Settings(

@@ -95,6 +95,7 @@ class Metrics:
     def episodes_cancelled(self, queued: int, running: int) -> None:
         self.cancelled.labels("queued").inc(queued)
         self.cancelled.labels("running").inc(running)
+        self.finished.labels("cancelled").inc(queued + running)  # a cancel is how they finished
 
     def episode_finished(self, result: EpisodeResult) -> None:
         self.finished.labels(result.status.value).inc()

@@ -39,6 +39,11 @@ class EpisodeStatus(StrEnum):
 
 
 FINISHED_STATUSES = frozenset(status for status in EpisodeStatus if status.finished)
+# What a trainer trains on: the policy's own finished episodes. A failed one (infrastructure), a
+# cancelled one (nobody's) and an aborted one (the engine refused it, or the policy's output could
+# not be parsed: its reward means nothing) are dropped or masked, never trained on as reward 0.
+# The records say so per row (`trainable`), as the client's trainer adapters decide.
+TRAINABLE_STATUSES = frozenset({EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED})
 
 
 # ---- Request ids. A generate call's rid is "<episode_id>:<attempt>:<turn>", optionally with a
@@ -116,7 +121,13 @@ class TurnRecord:
     action: str | None = None  # the tool called, "respond", or None when the turn ended the episode
     has_logprobs: bool = True  # False: SGLang sent no logprobs; this turn's are placeholders (0.0)
     resume: int = 0  # 0: the turn's first generate call; n: its n-th resume after an engine abort
-    actions: list[str] | None = None  # a turn of parallel calls: the tools called, in order
+    # What the turn ran, in order: its tools (several: parallel calls), or ["respond"]; [] when the
+    # turn ended the episode before any ran. `action` is its first, kept for older readers.
+    actions: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.actions is None:  # stored before every record had its list
+            self.actions = [] if self.action is None else [self.action]
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,6 +172,9 @@ class EpisodeResult:
     # Its oldest tokens fell more than max_staleness weight versions behind: the worker re-runs it
     # from scratch as a new attempt, which is no failure.
     stale: bool = False
+    # The engine did not answer at all (an outage, not a crash): the worker re-queues it without
+    # counting a failed attempt and claims nothing until the engine answers again.
+    engine_down: bool = False
 
     @property
     def num_turns(self) -> int:

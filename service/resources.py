@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(settings: Settings) -> HFTokenizer:
+    # "PyTorch was not found" is advice for model users: the service only tokenizes.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     # transformers' signatures are wider than the HFTokenizer protocol states; the calls match.
@@ -157,7 +160,9 @@ async def episode_worker(
             get_parser(tokenizers.call_format),
             max_turn_resumes=settings.max_turn_resumes,
         )
-        worker = EpisodeWorker(settings, database, runner, on_finished=endings.result_stored)
+        worker = EpisodeWorker(
+            settings, database, runner, on_finished=endings.result_stored, engine_status=engine.status
+        )
         worker.start()
         try:
             yield worker

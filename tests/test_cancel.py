@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from rollout_client import AsyncRolloutClient
 
 from service.app import create_app
 from service.records import FINISHED_STATUSES
@@ -105,18 +106,58 @@ async def test_cancel_ends_queued_and_running_episodes_and_keeps_finished_ones(
     assert (
         await metric(slow_client, "rollout_episodes_cancelled_total", when="queued") == body["cancelled"] - 2
     )
+    # A cancel is how they finished: the finished counter by status counts them too.
+    assert (
+        await metric(slow_client, "rollout_episodes_finished_total", status="cancelled") == body["cancelled"]
+    )
 
     # Final everywhere: the batch is complete, its groups arrive with their cancelled samples.
     batch = (await slow_client.get("/batches/c-1", params={"wait": 5})).json()
     assert batch["complete"] and batch["groups_complete"] == 4
     assert {episode["status"] for episode in batch["episodes"]} <= FINISHED_STATUSES
     one = (await slow_client.get(f"/episodes/{cancelled[0].id}")).json()
-    assert one["status"] == "cancelled"
+    assert one["status"] == "cancelled" and one["trainable"] is False
+    await _trainers_tell_cancelled_groups_apart(slow_client, "c-1", body["cancelled"])
 
     # Idempotent: a repeat cancels nothing and changes nothing.
     again = await slow_client.post("/batches/c-1/cancel")
     assert again.status_code == 200
     assert again.json() == body | {"cancelled": 0}
+
+
+async def _trainers_tell_cancelled_groups_apart(
+    http: httpx.AsyncClient, batch_id: str, cancelled: int
+) -> None:
+    """GET /groups marks the groups a cancel cut short; each record says whether to train on it; the
+    client leaves cancelled groups out unless asked."""
+    page = (await http.get("/groups", params={"batch_id": batch_id})).json()
+    assert len(page["groups"]) == 4
+    cut = set()
+    for group in page["groups"]:
+        statuses = [episode["status"] for episode in group["episodes"]]
+        assert group["cancelled"] == ("cancelled" in statuses)
+        assert group["trainable"] == sum(status in ("completed", "truncated") for status in statuses)
+        for episode in group["episodes"]:
+            assert episode["trainable"] == (episode["status"] in ("completed", "truncated"))
+        if group["cancelled"]:
+            cut.add(group["group_index"])
+    assert cut and sum(len(g["episodes"]) for g in page["groups"] if g["cancelled"]) >= cancelled
+    batch = (await http.get(f"/batches/{batch_id}", params={"include_tokens": "true"})).json()
+    assert all(episode["trainable"] is (episode["status"] != "cancelled") for episode in batch["episodes"])
+
+    async with AsyncRolloutClient(str(http.base_url)) as client:
+        kept = await client.batch(batch_id)
+        assert {episode.group_index for episode in kept} == set(range(4)) - cut
+        assert all(episode.trainable and episode.status != "cancelled" for episode in kept)
+        every = await client.batch(batch_id, include_cancelled=True)
+        assert len(every) == 8 and every.table.column("trainable").to_pylist() == every.trainable
+        assert [episode.trainable for episode in every] == [e.status != "cancelled" for e in every]
+        followed = await client.groups(batch_id=batch_id)
+        assert {key[1] for key in followed.groups()} == set(range(4)) - cut
+        asked = await client.groups(batch_id=batch_id, include_cancelled=True)
+        assert {key[1] for key in asked.groups()} == set(range(4))
+        assert "cancelled" in repr(every[[e.status for e in every].index("cancelled")])
+        assert len(repr(every[0])) < 300  # no token arrays in it
 
 
 async def test_cancel_of_a_finished_batch_changes_nothing(client: httpx.AsyncClient, db: Database) -> None:

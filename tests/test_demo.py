@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from service.demo import run_demo
+from service.demo import python_command, run_demo
 
 
 def test_the_demo_runs_a_batch_and_summarizes_it(
@@ -16,6 +18,9 @@ def test_the_demo_runs_a_batch_and_summarizes_it(
     assert "episodes   6 in 3 groups" in out
     assert "reward     mean" in out and "sampled, loss mask 1" in out
     assert "pulled     6 rows as Arrow" in out
+    # The closing hint names the python that has the service installed (the venv's), not `python`.
+    hint = next(line for line in out.splitlines() if line.startswith("look at it:"))
+    assert f" {python_command()} -m service serve" in hint and Path(python_command()).exists()
 
 
 def test_the_summary_leaves_out_episodes_without_a_reward() -> None:

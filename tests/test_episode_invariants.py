@@ -301,7 +301,22 @@ def test_unparseable_tool_call_aborts_and_keeps_the_turn() -> None:
     check_invariants(result, engine)
     assert result.status is EpisodeStatus.ABORTED
     assert result.error is not None and "unparseable tool call" in result.error
+    # Said once, with what is wrong with it (the JSON's own complaint), not "an unparseable call".
+    assert result.error.count("unparseable") == 1 and "call 1 is not valid JSON (" in result.error
     assert sum(result.tokens.loss_mask) == len(engine.calls[0][1].output_ids)
+    assert [turn.actions for turn in result.turns] == [[]]  # the turn ran nothing: a list, never null
+
+
+def test_every_turn_record_lists_what_it_ran() -> None:
+    turns = [
+        PlannedTurn("tool", "a", "stop_with_token", "r", 1),
+        PlannedTurn("tool", "b", "stop_with_token", "r", 2, calls=2),
+        PlannedTurn("respond", "done", "stop_with_token", "###STOP###", 3),
+    ]
+    result, engine = run_episode("sys", "hello", turns, done_at=10, max_turns=3)
+    check_invariants(result, engine)
+    assert [turn.actions for turn in result.turns] == [["lookup"], ["lookup", "lookup"], ["respond"]]
+    assert [turn.action for turn in result.turns] == ["lookup", "lookup", "respond"]
 
 
 def test_turn_limit_truncates() -> None:

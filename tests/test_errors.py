@@ -136,6 +136,23 @@ async def test_an_unparseable_body_is_a_400_saying_why(
                                "type": "body_unparseable"}]  # fmt: skip
 
 
+async def test_a_body_without_a_json_content_type_is_told_to_send_json(client: httpx.AsyncClient) -> None:
+    content = b'{"env": "builtin/shop", "task_split": "test", "task_indices": [0]}'
+    for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}):
+        body = assert_error_body(await client.post("/episodes", content=content, headers=headers), 422)
+        assert body["errors"][0]["loc"] == ["body"]
+        assert (
+            body["errors"][0]["msg"].startswith("send JSON: ") and headers["content-type"] in body["detail"]
+        )
+
+
+async def test_an_unknown_env_lists_every_known_one_external_included(client: httpx.AsyncClient) -> None:
+    request = {"env": "nope", "task_split": "test", "task_indices": [0]}
+    body = assert_error_body(await client.post("/episodes", json=request), 422)
+    assert "unknown environment 'nope'" in body["detail"]
+    assert "'external'" in body["detail"] and "'builtin/shop'" in body["detail"]
+
+
 @pytest.mark.parametrize(
     ("location", "path"),
     [

@@ -57,6 +57,31 @@ def test_unparseable_call_raises(text: str) -> None:
         parse_qwen25(text)
 
 
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>', "call 1 is not valid JSON ("),
+        (
+            '<tool_call>\n{"name": "f", "arguments": {}} and more\n</tool_call>',
+            "call 1 has text after its JSON",
+        ),
+        (
+            '<tool_call>\n{"arguments": {}}\n</tool_call>',
+            'call 1 is not {"name": <text>, "arguments": <an object>}',
+        ),
+        (
+            '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><tool_call>{}</tool_call>',
+            "call 2 has no newline",
+        ),
+    ],
+    ids=["missing-brace", "trailing-text", "no-name", "second-call"],
+)
+def test_a_parse_error_says_what_is_wrong(text: str, says: str) -> None:
+    with pytest.raises(ToolCallParseError) as error:
+        parse_qwen25(text)
+    assert says in str(error.value) and "unparseable" not in str(error.value)
+
+
 def test_unclosed_call_at_the_end_is_parsed() -> None:
     assert parse_qwen25('<tool_call>\n{"name": "f", "arguments": {}}').action == Action("f", {})
 

@@ -12,11 +12,13 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 from playwright.async_api import Page, Route
+from sqlalchemy import update
 
 from service.app import create_app
 from service.serving import serve_app
 from service.sim.worker import SimWorker
 from service.storage.db import Database
+from service.storage.models import Episode
 from tests.conftest import service_settings
 from tests.support.browser import PageErrors, chromium, require_chromium, screenshot
 from tests.support.openai_stub import closed_port_url
@@ -62,6 +64,13 @@ async def test_every_page_loads_and_links_to_the_next(client: httpx.AsyncClient,
     assert await count(page, ".group-row") == 3
     assert await count(page, ".sample") == 6
     assert await count(page, "#histogram > div") > 0
+    # Each status in the batch is named in the legend, with its symbol and what a trainer does with it;
+    # each sample carries the symbol too, not only a colour.
+    legend = await page.locator("#status-legend").inner_text()
+    for status in {episode["status"] for episode in batch["episodes"]}:
+        assert status in legend
+    assert "trained on" in legend
+    assert await count(page, ".sample .symbol") == 6
     await screenshot(page, "batch")
 
     statuses = {episode["status"] for episode in batch["episodes"]}
@@ -79,6 +88,9 @@ async def test_every_page_loads_and_links_to_the_next(client: httpx.AsyncClient,
     await page.locator("#transcript").wait_for()
     assert await count(page, "#transcript .msg") == len(episode["messages"])
     assert await count(page, "#transcript .msg.assistant .call") >= 1
+    # The env's info (builtin/shop's reward breakdown) has a panel of its own, not only the raw JSON.
+    panel = await page.locator("#info-panel").inner_text()
+    assert "reward_info" in panel and "database_matches_ground_truth" in panel
     await screenshot(page, "episode-transcript")
 
     await page.locator("#tab-tokens").click()
@@ -86,6 +98,14 @@ async def test_every_page_loads_and_links_to_the_next(client: httpx.AsyncClient,
     assert await count(page, "#tokens .m1") == sum(episode["loss_mask"])
     assert await count(page, "#tokens .m0") == len(episode["loss_mask"]) - sum(episode["loss_mask"])
     assert await count(page, "#tokens .mark") == len(episode["turns"])
+    # The context after the last sampled turn (mask 0) says why it is there, where it starts.
+    mask = episode["loss_mask"]
+    last_sampled = max(index for index, value in enumerate(mask) if value)
+    if last_sampled + 1 < len(mask):
+        note = page.locator("#trailing-context")
+        assert "mask 0, by design" in await note.inner_text()
+        following = await note.evaluate("note => note.nextElementSibling.dataset.i")
+        assert int(following) == last_sampled + 1
     await screenshot(page, "episode-tokens")
 
     await page.locator("#tab-timing").click()
@@ -132,6 +152,35 @@ async def test_big_batches_page_and_a_long_episode_shows_every_token(
     assert await count(page, "#tokens .m0") == len(episode["loss_mask"]) - sum(episode["loss_mask"])
     assert await count(page, "#tokens .mark") == 40
     await screenshot(page, "episode-30k-tokens", full_page=False)
+    assert errors.messages == []
+
+
+async def test_equal_rewards_and_an_engine_that_is_down_read_plainly(
+    api_only: str, db: Database, page: Page
+) -> None:
+    batch_id, _ = await store_finished_batch(db, groups=2, samples=2, tokens=50, turns=2)
+    async with db.sessionmaker.begin() as session:
+        await session.execute(update(Episode).where(Episode.batch_id == batch_id).values(reward=1.0))
+    errors = PageErrors(page)
+    await page.goto(f"{api_only}/ui/#/batches/{batch_id}")
+    await page.locator(".group-row").first.wait_for()
+    assert await count(page, "#histogram > div") == 1  # one value, one bar
+    axis = await page.locator(".histogram-axis").inner_text()
+    assert "every one of the 4 rewards is 1.00" in axis and "0.50" not in axis
+    assert await count(page, "#engine-waiting") == 0  # finished: nothing waits
+    await screenshot(page, "batch-equal-rewards")
+
+    # A batch whose episodes wait for an engine that does not answer (this service's engine URL
+    # refuses connections) says so on its page.
+    async with httpx.AsyncClient(base_url=api_only) as http:
+        body = submission(batch_id="waiting", task_indices=[0], samples_per_task=2)
+        assert (await http.post("/episodes", json=body)).status_code == 202
+    await page.goto(f"{api_only}/ui/#/batches/waiting")
+    waiting = page.locator("#engine-waiting")
+    await waiting.wait_for()
+    assert "waiting for the engine" in await waiting.inner_text()
+    assert "queued" in await page.locator("#status-legend").inner_text()
+    await screenshot(page, "batch-waiting-for-engine")
     assert errors.messages == []
 
 

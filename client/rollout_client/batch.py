@@ -17,6 +17,10 @@ import numpy.typing as npt
 import pyarrow as pa
 
 TOKEN_COLUMNS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs")
+# Trained on: the policy's own episodes. An aborted episode (the engine refused it, or the policy's
+# output could not be parsed) and a failed or cancelled one (infrastructure, or nobody's) are not.
+# The service's `trainable` column says the same per row.
+TRAINABLE_STATUSES = frozenset({"completed", "truncated"})
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,17 @@ class EpisodeArrays:
     # (a row) of its own with the episode's id, reward and status.
     segment: int = 0
     segments: int = 1
+    # Train on it: completed or truncated. False (failed, aborted, cancelled): drop or mask the row,
+    # never train on it as reward 0 (the service says so per row, as the trainer adapters decide).
+    trainable: bool = True
+
+    def __repr__(self) -> str:  # the token arrays would fill a screen
+        return (
+            f"EpisodeArrays({self.episode_id!r}, batch {self.batch_id!r}, group {self.group_index} "
+            f"sample {self.sample_index}, {self.status}{'' if self.trainable else ' (not trainable)'}, "
+            f"reward {self.reward}, {len(self.prompt_ids)} prompt + {len(self.response_ids)} response "
+            f"tokens ({int(self.loss_mask.sum())} sampled), {self.num_turns} turns)"
+        )
 
     @cached_property
     def token_weight_versions(self) -> list[str | None]:
@@ -87,6 +102,7 @@ class EpisodeArrays:
             token_versions=episode.get("token_weight_versions"),
             segment=episode.get("segment", 0),
             segments=episode.get("segments", 1),
+            trainable=episode.get("trainable", episode["status"] in TRAINABLE_STATUSES),
         )
 
     @cached_property
@@ -147,6 +163,11 @@ class Batch:
             if "segments" in names
             else [(0, 1)] * table.num_rows
         )
+        self.trainable: list[bool] = (
+            table.column("trainable").to_pylist()
+            if "trainable" in names
+            else [status in TRAINABLE_STATUSES for status in self.status]
+        )
 
     def _numbers(self, name: str) -> npt.NDArray[Any]:
         numbers: npt.NDArray[Any] = self.table.column(name).to_numpy()
@@ -181,8 +202,27 @@ class Batch:
             token_versions=None if self._token_versions is None else self._token_versions[index],
             segment=self._segments[index][0],
             segments=self._segments[index][1],
+            trainable=self.trainable[index],
             **tokens,
         )
+
+    def without_cancelled_groups(self) -> Batch:
+        """The batch less every group with a `cancelled` episode (its batch was cancelled before
+        the group finished: no tokens to train on). The client's pulls do this unless asked not to."""
+        cancelled = {
+            (batch, group)
+            for batch, group, status in zip(
+                self.batch_id, self.group_index.tolist(), self.status, strict=True
+            )
+            if status == "cancelled"
+        }
+        if not cancelled:
+            return self
+        keep = [
+            (batch, group) not in cancelled
+            for batch, group in zip(self.batch_id, self.group_index.tolist(), strict=True)
+        ]
+        return Batch(self.table.filter(pa.array(keep, pa.bool_())))
 
     def groups(self) -> dict[int, list[EpisodeArrays]]:
         """Episodes by group index, each group in sample order."""

@@ -98,14 +98,16 @@ class _Api:
     def summary(self, batch_id: str, wait: float) -> Plan[dict[str, Any]]:
         return plans.summary(self.retries, batch_id, wait, self.timeout)
 
-    def batch(self, batch_id: str) -> Plan[Batch]:
-        return plans.batch(self.retries, batch_id, self.timeout)
+    def batch(self, batch_id: str, include_cancelled: bool) -> Plan[Batch]:
+        return plans.batch(self.retries, batch_id, self.timeout, include_cancelled)
 
     def batch_table(self, batch_id: str) -> Plan[pa.Table]:
         return plans.batch_table(self.retries, batch_id, self.timeout)
 
-    def groups(self, after: int, limit: int, wait: float, filters: GroupFilters) -> Plan[GroupsPage]:
-        return plans.groups(self.retries, after, limit, wait, self.timeout, filters)
+    def groups(
+        self, after: int, limit: int, wait: float, filters: GroupFilters, include_cancelled: bool
+    ) -> Plan[GroupsPage]:
+        return plans.groups(self.retries, after, limit, wait, self.timeout, filters, include_cancelled)
 
     def episode(self, episode_id: str, wait: float) -> Plan[dict[str, Any]]:
         return plans.episode(self.retries, episode_id, wait, self.timeout)
@@ -163,21 +165,30 @@ class RolloutClient:
         """GET /batches/{id}: counts and the complete groups' episodes, without tokens."""
         return self._run(self._api.summary(batch_id, wait))
 
-    def batch(self, batch_id: str) -> Batch:
-        """The complete groups' episodes with their token arrays (the Arrow stream, decoded)."""
-        return self._run(self._api.batch(batch_id))
+    def batch(self, batch_id: str, *, include_cancelled: bool = False) -> Batch:
+        """The complete groups' episodes with their token arrays (the Arrow stream, decoded). A
+        group with a `cancelled` episode (its batch was cancelled) is left out unless
+        `include_cancelled`; each episode's `trainable` says whether to train on it."""
+        return self._run(self._api.batch(batch_id, include_cancelled))
 
     def batch_table(self, batch_id: str) -> pa.Table:
         return self._run(self._api.batch_table(batch_id))
 
     def groups(
-        self, after: int = 0, limit: int = 100, wait: float = 0, **filters: Unpack[GroupFilters]
+        self,
+        after: int = 0,
+        limit: int = 100,
+        wait: float = 0,
+        *,
+        include_cancelled: bool = False,
+        **filters: Unpack[GroupFilters],
     ) -> GroupsPage:
         """GET /groups: complete groups past the cursor `after`, in the order they completed, as
         Arrow; `page.next` is the cursor for the next call. `wait` long-polls for a group; the
         filters `batch_id`, `env`, `min_reward_std` (0 skips groups whose rewards are all equal,
-        counted in `page.filtered`) are keywords."""
-        return self._run(self._api.groups(after, limit, wait, filters))
+        counted in `page.filtered`) are keywords. Groups of a cancelled batch (with a `cancelled`
+        episode) are left out unless `include_cancelled`."""
+        return self._run(self._api.groups(after, limit, wait, filters, include_cancelled))
 
     def episode(self, episode_id: str, wait: float = 0) -> dict[str, Any]:
         """GET /episodes/{id}; `wait` long-polls until it finished."""
@@ -242,13 +253,19 @@ class AsyncRolloutClient:
     async def summary(self, batch_id: str, wait: float = 0) -> dict[str, Any]:
         return await self._run(self._api.summary(batch_id, wait))
 
-    async def batch(self, batch_id: str) -> Batch:
-        return await self._run(self._api.batch(batch_id))
+    async def batch(self, batch_id: str, *, include_cancelled: bool = False) -> Batch:
+        return await self._run(self._api.batch(batch_id, include_cancelled))
 
     async def groups(
-        self, after: int = 0, limit: int = 100, wait: float = 0, **filters: Unpack[GroupFilters]
+        self,
+        after: int = 0,
+        limit: int = 100,
+        wait: float = 0,
+        *,
+        include_cancelled: bool = False,
+        **filters: Unpack[GroupFilters],
     ) -> GroupsPage:
-        return await self._run(self._api.groups(after, limit, wait, filters))
+        return await self._run(self._api.groups(after, limit, wait, filters, include_cancelled))
 
     async def batch_table(self, batch_id: str) -> pa.Table:
         return await self._run(self._api.batch_table(batch_id))

@@ -217,9 +217,9 @@ def _whole_arrow_stream(response: httpx.Response) -> bool:
     return response.content.endswith(ARROW_STREAM_END)
 
 
-def batch(retries: Retries, batch_id: str, timeout: float) -> Plan[Batch]:
+def batch(retries: Retries, batch_id: str, timeout: float, include_cancelled: bool = False) -> Plan[Batch]:
     table = yield from batch_table(retries, batch_id, timeout)
-    return Batch(table)
+    return Batch(table) if include_cancelled else Batch(table).without_cancelled_groups()
 
 
 class GroupFilters(TypedDict, total=False):
@@ -249,7 +249,13 @@ class GroupsPage:
 
 
 def groups(
-    retries: Retries, after: int, limit: int, wait: float, timeout: float, filters: GroupFilters
+    retries: Retries,
+    after: int,
+    limit: int,
+    wait: float,
+    timeout: float,
+    filters: GroupFilters,
+    include_cancelled: bool = False,
 ) -> Plan[GroupsPage]:
     params: dict[str, Any] = {"after": after, "limit": limit}
     params.update((name, value) for name, value in filters.items() if value is not None)
@@ -257,8 +263,9 @@ def groups(
         params["wait"] = wait
     call = Call("GET", "/groups", params=params, headers={"Accept": ARROW_STREAM}, timeout=wait + timeout)
     response = yield from request(call, retries, complete=_whole_arrow_stream)
+    batch = Batch(read_table(response.content))
     return GroupsPage(
-        Batch(read_table(response.content)),
+        batch if include_cancelled else batch.without_cancelled_groups(),
         int(response.headers["Rollout-Next-Cursor"]),
         int(response.headers["Rollout-Groups-Filtered"]),
     )

@@ -131,7 +131,7 @@ def fill_sample(args: Any, sample: Any, episode: EpisodeArrays) -> Any:
         sample.response = ""
         sample.remove_sample = True
     sample.status = getattr(type(sample).Status, STATUS_NAMES[episode.status])
-    if episode.status in ("failed", "cancelled"):  # infrastructure or nobody's: not the policy's data
+    if not episode.trainable:  # failed, aborted or cancelled: the service's `trainable`, as every adapter
         sample.remove_sample = True
     sample.reward = 0.0 if episode.reward is None else float(episode.reward)
     sample.weight_versions = ["" if version is None else str(version) for version in episode.weight_versions]
@@ -177,7 +177,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     try:
         await asyncio.shield(submitting)
         await client.wait(batch_id, poll=EPISODE_WAIT_SECONDS)
-        episode = (await client.batch(batch_id))[0]
+        episode = (await client.batch(batch_id, include_cancelled=True))[0]
     except asyncio.CancelledError:
         await asyncio.shield(cancel_once_submitted(client, submitting, batch_id))
         raise
@@ -276,7 +276,10 @@ def _finished_groups(
             f"{len(pending)} batches of this rollout are unfinished, more than GET /groups takes at "
             f"once ({MAX_PENDING_BATCHES}): raise --over-sampling-batch-size"
         )
-    page = client.groups(after, GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS, batch_id=list(pending))
+    # Every group of the step, cancelled ones too: each fills its samples (removed, not trained on).
+    page = client.groups(
+        after, GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS, include_cancelled=True, batch_id=list(pending)
+    )
     finished = [
         _fill_group(args, pending[batch_id].groups.pop(group_index), episodes)
         for (batch_id, group_index), episodes in page.groups().items()
@@ -313,7 +316,7 @@ def _evaluate(args: Any, rollout_id: int, client: RolloutClient, config: HookCon
             metadata={"slime_rollout_id": rollout_id, "slime_eval": dataset.name},
         )
         client.wait(batch_id)
-        episodes = list(client.batch(batch_id))
+        episodes = list(client.batch(batch_id, include_cancelled=True))
         samples = [
             fill_sample(args, Sample(index=index, prompt=str(episode.task_index)), episode)
             for index, episode in enumerate(episodes)

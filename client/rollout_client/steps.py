@@ -220,7 +220,9 @@ def pull_step(client: RolloutClient, step: StepBatch, counts: StepCounts) -> lis
     cursor = 0
     try:
         while len(groups) < len(step.tasks):
-            page = client.groups(cursor, GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS, batch_id=step.batch_id)
+            page = client.groups(
+                cursor, GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS, include_cancelled=True, batch_id=step.batch_id
+            )
             counts.groups_pages += 1
             for (_, group), episodes in page.groups().items():
                 _check_group(step, group, episodes)
@@ -253,7 +255,9 @@ async def pull_step_async(
     try:
         await asyncio.shield(submitting)
         while len(groups) < len(step.tasks):
-            page = await client.groups(cursor, GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS, batch_id=step.batch_id)
+            page = await client.groups(
+                cursor, GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS, include_cancelled=True, batch_id=step.batch_id
+            )
             counts.groups_pages += 1
             for (_, group), episodes in page.groups().items():
                 _check_group(step, group, episodes)

@@ -13,6 +13,7 @@ import orjson
 import pyarrow as pa
 
 from service.api.token_calls import token_version_codes
+from service.records import TRAINABLE_STATUSES
 from service.storage import blobs
 from service.storage.batch_rows import EpisodeColumns
 
@@ -43,6 +44,8 @@ ARROW_SCHEMA = pa.schema(
         # An external agent's episode may have several segments, a row each (service/agents).
         ("segment", pa.int32()),
         ("segments", pa.int32()),
+        # Train on it (completed or truncated); false: drop or mask it (failed, aborted, cancelled).
+        ("trainable", pa.bool_()),
     ],
     metadata={"format": "rollout-service episodes v1"},
 )
@@ -124,6 +127,7 @@ def arrow_record_batch(columns: EpisodeColumns) -> pa.Buffer:
             "info_json": [_json_text(text) for text in columns.info_json],
             "segment": columns.segment,
             "segments": columns.segments,
+            "trainable": [status in TRAINABLE_STATUSES for status in columns.status],
         }
     )
     sink = pa.BufferOutputStream()

@@ -15,7 +15,7 @@ import orjson
 from sqlalchemy import Row, select
 
 from service.api.schemas import BatchGroupOut, BatchOut, EpisodeSummary, GroupsOut, RewardStatsOut
-from service.records import FINISHED_STATUSES
+from service.records import FINISHED_STATUSES, TRAINABLE_STATUSES
 from service.shared import GroupSummaries
 from service.storage import blobs
 from service.storage.batch_rows import SUMMARY_SELECTED, BatchHead, BatchRows, EpisodeColumns
@@ -30,9 +30,9 @@ def summary_item(row: Row[Any]) -> dict[str, Any]:
     return row._asdict()
 
 
-def batch_json_head(head: BatchHead) -> tuple[bytes, bytes]:
+def batch_json_head(head: BatchHead, waiting_for_engine: str | None = None) -> tuple[bytes, bytes]:
     """A batch's JSON body (BatchOut) up to its episodes list, and what closes it: the episodes are
-    streamed in between, a chunk at a time."""
+    streamed in between, a chunk at a time. `waiting_for_engine`: why its episodes wait, if they do."""
     counts = head.counts
     total = sum(counts.values())
     stats = head.group_stats
@@ -49,6 +49,7 @@ def batch_json_head(head: BatchHead) -> tuple[bytes, bytes]:
         groups=[
             BatchGroupOut(group_index=group, reward=RewardStatsOut(**asdict(stats[group]))) for group in stats
         ],
+        waiting_for_engine=waiting_for_engine if finished < total else None,
         episodes=[],
     )
     text = body.model_dump_json().encode()
@@ -63,19 +64,23 @@ def groups_page_json(page: GroupPage, episodes: Sequence[Row[Any]]) -> bytes:
     for row in episodes:
         item = summary_item(row)
         items.setdefault((item.pop("batch_id"), item["group_index"]), []).append(item)
-    groups = [
-        {
-            "cursor": group.seq,
-            "batch_id": group.batch_id,
-            "group_index": group.group_index,
-            "env": group.env,
-            "task_index": group.task_index,
-            "completed_at": group.completed_at,
-            "reward": asdict(RewardStats.stored(group)),
-            "episodes": items.get((group.batch_id, group.group_index), []),
-        }
-        for group in page.groups
-    ]
+    groups = []
+    for group in page.groups:
+        members = items.get((group.batch_id, group.group_index), [])
+        groups.append(
+            {
+                "cursor": group.seq,
+                "batch_id": group.batch_id,
+                "group_index": group.group_index,
+                "env": group.env,
+                "task_index": group.task_index,
+                "completed_at": group.completed_at,
+                "reward": asdict(RewardStats.stored(group)),
+                "cancelled": any(item["status"] == "cancelled" for item in members),
+                "trainable": sum(1 for item in members if item["trainable"]),
+                "episodes": members,
+            }
+        )
     body = GroupsOut.model_validate({"groups": groups, "next": page.next, "filtered": page.filtered})
     return body.model_dump_json().encode()
 
@@ -89,10 +94,12 @@ def group_summaries_json(rows: Sequence[Row[Any]]) -> dict[int, bytes]:
     return {group: b",".join(texts) for group, texts in items.items()}
 
 
-async def batch_summary_json(rows: BatchRows, summaries: GroupSummaries) -> bytes:
+async def batch_summary_json(
+    rows: BatchRows, summaries: GroupSummaries, waiting_for_engine: str | None = None
+) -> bytes:
     """The batch as JSON (BatchOut) with its complete groups' summaries: those of earlier polls from
     `summaries`, the others read from `rows` and added to it."""
-    head, tail = batch_json_head(rows.head)
+    head, tail = batch_json_head(rows.head, waiting_for_engine)
     batch_id, complete = rows.head.batch_id, rows.head.complete_groups
     groups = summaries.of(batch_id)
     missing = [group for group in complete if group not in groups]
@@ -131,6 +138,7 @@ def episodes_with_tokens_json(columns: EpisodeColumns) -> bytes:
             "prompt_length": _length(prompt),
             "response_length": _length(response),
             "error": columns.error[index],
+            "trainable": columns.status[index] in TRAINABLE_STATUSES,
             "prompt_ids": _numbers(prompt, blobs.ID_DTYPE),
             "response_ids": _numbers(response, blobs.ID_DTYPE),
             "loss_mask": _numbers(columns.loss_mask[index], blobs.MASK_DTYPE),

@@ -24,7 +24,7 @@ from service.api.schemas import (
 )
 from service.api.streaming import arrow_stream, tokens_json_stream
 from service.app_state import Services
-from service.records import EpisodeStatus, attempt_rid_prefix
+from service.records import FINISHED_STATUSES, EpisodeStatus, attempt_rid_prefix
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
 from service.storage.batches import batch_unfinished, cancel_batch
 from service.storage.browse import UnknownCursor, batch_episode_summaries, list_batches
@@ -96,7 +96,11 @@ async def get_batch_episodes(
     if found is None:
         raise NotFound(f"no batch {batch_id!r}")
     batch, rows = found
-    body = BatchEpisodesOut.model_validate({**batch, "episodes": [summary_item(row) for row in rows]})
+    unfinished = any(row.status not in FINISHED_STATUSES for row in rows)
+    waiting = await services.engine.status.check() if unfinished and not status else None
+    body = BatchEpisodesOut.model_validate(
+        {**batch, "waiting_for_engine": waiting, "episodes": [summary_item(row) for row in rows]}
+    )
     return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -184,6 +188,9 @@ async def _summary(services: Services, batch_id: str) -> bytes | None:
     if rows is None:
         return None
     try:
-        return await batch_summary_json(rows, services.summaries)
+        counts = rows.head.counts
+        unfinished = sum(counts[status] for status in counts if status not in FINISHED_STATUSES)
+        waiting = await services.engine.status.check() if unfinished else None
+        return await batch_summary_json(rows, services.summaries, waiting)
     finally:
         await rows.aclose()

@@ -9,7 +9,7 @@ from typing import Any
 
 from service.api.schemas import EpisodeDetail, SegmentOut
 from service.api.token_calls import token_version_codes
-from service.records import EpisodeStatus, EpisodeTokens, TurnRecord
+from service.records import TRAINABLE_STATUSES, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.storage.models import Episode, EpisodeSegment
 
 
@@ -46,6 +46,7 @@ def episode_detail(episode: Episode, earlier: Sequence[EpisodeSegment] = ()) -> 
         prompt_length=None if tokens is None else len(tokens.prompt_ids),
         response_length=None if tokens is None else len(tokens.response_ids),
         error=episode.error,
+        trainable=episode.status in TRAINABLE_STATUSES,
         **_arrays(tokens),
         weight_versions=[turn.weight_version for turn in turns],
         batch_id=episode.batch_id,

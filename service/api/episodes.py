@@ -97,7 +97,7 @@ def validate_submission(body: SubmitEpisodes, services: Services) -> SubmitEpiso
     spec = services.envs.get(body.env) or failed_plugin_for(services.envs, body.env)
     if spec is None:
         raise InvalidRequest.field(
-            ["env"], f"unknown environment {body.env!r}; known: {sorted(services.envs)}"
+            ["env"], f"unknown environment {body.env!r}; known: {sorted([*services.envs, EXTERNAL_ENV])}"
         )
     if "*" in spec.unavailable:  # no split can run: it says why
         raise InvalidRequest.field(["env"], f"{body.env} cannot run here: {spec.unavailable['*']}")

@@ -184,10 +184,29 @@ async def _handle_service_error(request: Request, error: Exception) -> JSONRespo
     return error_response(error)
 
 
-def invalid_request(error: RequestValidationError) -> InvalidRequest:
-    """FastAPI's validation error as the service's, each problem named by its field."""
+def _not_json(item: dict[str, Any], content_type: str | None) -> bool:
+    """FastAPI read a body sent without a JSON content type as text, which no model takes."""
+    return (
+        tuple(item["loc"]) == ("body",)
+        and item["type"] in ("model_attributes_type", "dict_type")
+        and "json" not in (content_type or "").lower()
+    )
+
+
+def invalid_request(error: RequestValidationError, content_type: str | None = None) -> InvalidRequest:
+    """FastAPI's validation error as the service's, each problem named by its field; `content_type`
+    the request's (a body without a JSON one is told to send JSON)."""
     problems = [
-        {"loc": list(item["loc"]), "msg": _validation_message(item), "type": item["type"]}
+        {
+            "loc": list(item["loc"]),
+            "msg": (
+                f"send JSON: the body must be a JSON object with Content-Type: application/json "
+                f"(it came as {content_type or 'no content type'})"
+                if _not_json(item, content_type)
+                else _validation_message(item)
+            ),
+            "type": item["type"],
+        }
         for item in error.errors()
     ]
     summary = "; ".join(f"{_where(item)}: {item['msg']}" for item in problems)
@@ -196,7 +215,7 @@ def invalid_request(error: RequestValidationError) -> InvalidRequest:
 
 async def _handle_validation_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, RequestValidationError)
-    return error_response(invalid_request(error))
+    return error_response(invalid_request(error, request.headers.get("content-type")))
 
 
 def _where(problem: dict[str, Any]) -> str:
@@ -244,7 +263,7 @@ def as_service_error(request: Request, error: Exception) -> ServiceError | None:
     if isinstance(error, ServiceError):
         return error
     if isinstance(error, RequestValidationError):
-        return invalid_request(error)
+        return invalid_request(error, request.headers.get("content-type"))
     if isinstance(error, StarletteHTTPException):
         cause = error.__cause__
         return _unparseable(cause) if error.status_code == 400 and cause is not None else None

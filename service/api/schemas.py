@@ -218,6 +218,10 @@ class EpisodeSummary(BaseModel):
     prompt_length: int | None
     response_length: int | None
     error: str | None
+    trainable: bool = Field(
+        description="Train on it: it is `completed` or `truncated`. A `failed`, `aborted` or "
+        "`cancelled` episode is dropped or masked by the trainer, never trained on as reward 0."
+    )
 
 
 class EpisodeTokensOut(BaseModel):
@@ -314,6 +318,11 @@ class BatchOut(BatchInfo):
         "`GET /groups?min_reward_std=0` skips, as DAPO's dynamic sampling does."
     )
     groups: list[BatchGroupOut] = Field(description="The complete groups' reward statistics, by group index.")
+    waiting_for_engine: str | None = Field(
+        default=None,
+        description="While some of its episodes are unfinished and the engine does not answer: one "
+        "line saying so (its episodes wait for it; an outage costs them no attempt). Null otherwise.",
+    )
     episodes: list[EpisodeWithTokens] | list[EpisodeSummary] = Field(
         description="Episodes of complete groups only: a group arrives whole, once all its samples ended. "
         "With include_tokens=true each carries its token arrays."
@@ -334,6 +343,11 @@ class BatchListOut(BaseModel):
 
 
 class BatchEpisodesOut(BatchInfo):
+    waiting_for_engine: str | None = Field(
+        default=None,
+        description="While some of its episodes are unfinished and the engine does not answer: one "
+        "line saying so (its episodes wait for it; an outage costs them no attempt). Null otherwise.",
+    )
     episodes: list[EpisodeSummary] = Field(
         description="By group, then sample: every status, or those asked for."
     )
@@ -378,6 +392,11 @@ class GroupOut(BaseModel):
     task_index: int
     completed_at: datetime
     reward: RewardStatsOut
+    cancelled: bool = Field(
+        description="Its batch was cancelled before the group finished: some of its episodes are "
+        "`cancelled` (no tokens). The client skips such groups unless asked."
+    )
+    trainable: int = Field(description="Its episodes a trainer trains on (`trainable`).")
     episodes: list[EpisodeSummary] = Field(description="Its episodes, by sample index.")
 
 

@@ -18,6 +18,7 @@ import httpx
 import orjson
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
+from service.engine.status import ENGINE_DOWN_STATUSES, PROBE_TIMEOUT_SECONDS, EngineStatus
 from service.engine.transport import (
     CONNECT_TIMEOUT_SECONDS,
     GenerateTransport,
@@ -92,10 +93,13 @@ class EngineRequestError(EngineError):
 
 
 class EngineUnavailableError(EngineError):
-    """Connection errors, timeouts or 5xx persisted through every retry."""
+    """Connection errors, timeouts or 5xx persisted through every retry. `engine_down`: the last
+    attempt found no engine at all (its connection refused, or a router's 502/503/504): an outage,
+    which the worker waits out instead of charging it to the episode's attempts."""
 
-    def __init__(self, message: str, status_code: int | None = None) -> None:
+    def __init__(self, message: str, status_code: int | None = None, *, engine_down: bool = False) -> None:
         super().__init__(message, retryable=True, status_code=status_code)
+        self.engine_down = engine_down
 
 
 class EngineResponseError(EngineError):
@@ -300,6 +304,7 @@ class SGLangClient:
         self._abort_workers: tuple[float, list[str]] | None = None  # (when listed, urls)
         self._abort_workers_lock = asyncio.Lock()
         self.abort_quiet = abort_quiet or AbortQuiet(ABORT_QUIET_SECONDS)
+        self.status = EngineStatus(self.base_url, self._health_problem)
 
     @property
     def inflight(self) -> int:
@@ -367,6 +372,7 @@ class SGLangClient:
             raise EngineUnavailableError(
                 f"generate {rid} failed after {self._retries + 1} attempts: {last.failure.reason}",
                 status_code=last.failure.status_code,
+                engine_down=self.status.down,
             ) from None
         raise AssertionError("unreachable: tenacity either returns an attempt or raises")
 
@@ -376,8 +382,14 @@ class SGLangClient:
             try:
                 reply = await self._transport.post(self._generate_url, body, self._timeout_seconds)
             except TransportFailure as failure:
+                if not failure.may_be_running:  # it never reached an engine: there is none
+                    self.status.unreachable(failure.reason)
                 return _Failure(failure.reason, may_be_running=failure.may_be_running)
         status = reply.status
+        if status in ENGINE_DOWN_STATUSES:
+            self.status.unreachable(f"HTTP {status}: {_error_message(status, reply.body)[:200]}")
+        else:
+            self.status.answered()
         if status >= 500 or status in RETRYABLE_STATUS:
             return _Failure(f"HTTP {status}: {_error_message(status, reply.body)}", status_code=status)
         if status >= 400:
@@ -457,6 +469,16 @@ class SGLangClient:
         except ValueError:
             urls = []
         return urls or [self.base_url]
+
+    async def _health_problem(self) -> str | None:
+        """None if the engine's /health answers (a 4xx too: an engine without that route), else why not."""
+        try:
+            response = await self._http.get(f"{self.base_url}/health", timeout=PROBE_TIMEOUT_SECONDS)
+        except httpx.TransportError as error:
+            return f"{type(error).__name__}: {error}".rstrip(": ")
+        if response.status_code >= 500:
+            return f"GET /health answers HTTP {response.status_code}"
+        return None
 
     async def health(self) -> bool:
         try:

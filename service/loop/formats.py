@@ -41,7 +41,11 @@ def register(name: str, markers: tuple[str, ...] = ()) -> Callable[[ToolCallPars
 
 def _calls(content: str, actions: list[Action | None], text: str) -> ParsedTurn:
     if not actions or any(action is None for action in actions):
-        raise ToolCallParseError(f"an unparseable tool call in {text[:300]!r}")
+        bad = next(number for number, action in enumerate(actions, 1) if action is None) if actions else 0
+        what = (
+            f"call {bad}'s name or arguments (a JSON object) cannot be read" if bad else "no call can be read"
+        )
+        raise ToolCallParseError(f"{what} in {text[:300]!r}")
     return ParsedTurn([action for action in actions if action is not None], content.strip())
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
-from service.engine.client import EngineError, EngineRequestError, Generation
+from service.engine.client import EngineError, EngineRequestError, EngineUnavailableError, Generation
 from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
 from service.envs.errors import EnvError, EnvWorkerCrashed
 from service.loop.tokens import ChatTokenizer, Trajectory
@@ -109,7 +109,10 @@ class EpisodeRunner:
                 return episode.end(EpisodeStatus.TRUNCATED, f"context length reached: {error}")
             return episode.end(EpisodeStatus.FAILED, f"engine refused the request: {error}")
         except EngineError as error:
-            return episode.end(EpisodeStatus.FAILED, f"engine: {error}", retryable=error.retryable)
+            down = isinstance(error, EngineUnavailableError) and error.engine_down
+            return episode.end(
+                EpisodeStatus.FAILED, f"engine: {error}", retryable=error.retryable, engine_down=down
+            )
         except EnvWorkerCrashed as error:
             return episode.end(EpisodeStatus.FAILED, f"env worker crashed: {error}", retryable=True)
         except EnvError as error:
@@ -237,8 +240,7 @@ class EpisodeRunner:
                 break
         record.env_seconds = time.perf_counter() - started
         record.action = parsed.action.name
-        if parsed.calls > 1:
-            record.actions = [action.name for action in parsed.actions[: len(answers)]]
+        record.actions = [action.name for action in parsed.actions[: len(answers)]]
         episode.messages.extend(answers)
         trajectory.add_context(self.chat.messages_ids(answers))
         return EpisodeStatus.COMPLETED if done else None
@@ -304,10 +306,16 @@ class _Episode:
         self.note: str | None = None  # why a non-completed episode ended
 
     def end(
-        self, status: EpisodeStatus, error: str | None = None, *, retryable: bool = False, stale: bool = False
+        self,
+        status: EpisodeStatus,
+        error: str | None = None,
+        *,
+        retryable: bool = False,
+        stale: bool = False,
+        engine_down: bool = False,
     ) -> EpisodeResult:
         message = error if error is not None else self.note
-        if status is EpisodeStatus.FAILED:
+        if status is EpisodeStatus.FAILED and not engine_down:  # an outage: the worker says what follows
             logger.warning("episode %s failed: %s", self.spec.episode_id, message)
         reward = self.reward
         if status is EpisodeStatus.FAILED:
@@ -325,4 +333,5 @@ class _Episode:
             error=message,
             retryable=retryable,
             stale=stale,
+            engine_down=engine_down,
         )

@@ -9,6 +9,7 @@ are in formats.py.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -77,34 +78,46 @@ def parse_qwen25(text: str, tools: Sequence[dict[str, Any]] | None = None) -> Pa
     if start < 0:
         return respond(text)
     content = text[:start].strip()
-    actions = []
+    actions: list[Action] = []
     position = start
     while position >= 0:
         if not text.startswith(QWEN25_BLOCK_OPEN, position):
-            raise ToolCallParseError(f"a tool call without its newline: {text[position : position + 200]!r}")
-        action, end = _qwen25_block(text, position + len(QWEN25_BLOCK_OPEN))
+            call = len(actions) + 1
+            raise ToolCallParseError(
+                f"call {call} has no newline after {QWEN25_OPEN}: {text[position : position + 200]!r}"
+            )
+        action, end, problem = _qwen25_block(text, position + len(QWEN25_BLOCK_OPEN))
         if action is None:
-            raise ToolCallParseError(f"an unparseable tool call: {text[position : position + 200]!r}")
+            raise ToolCallParseError(
+                f"call {len(actions) + 1} {problem}: {text[position : position + 200]!r}"
+            )
         actions.append(action)
         position = text.find(QWEN25_OPEN, end)
     return ParsedTurn(actions, content)
 
 
-def _qwen25_block(text: str, body: int) -> tuple[Action | None, int]:
-    """The call of the block whose JSON starts at `body`, and where the block ends. The JSON is
-    read as JSON (so a `</tool_call>` inside a string is text, not the end of the block); it must
-    be followed by the closing tag or the end of the text. A malformed block is skipped whole."""
+def _qwen25_block(text: str, body: int) -> tuple[Action | None, int, str]:
+    """The call of the block whose JSON starts at `body`, where the block ends, and what is wrong
+    with it when there is no call. The JSON is read as JSON (so a `</tool_call>` inside a string is
+    text, not the end of the block); it must be followed by the closing tag or the end of the text.
+    A malformed block is skipped whole."""
     skip = text.find(QWEN25_CLOSE, body)
     skip = len(text) if skip < 0 else skip + len(QWEN25_CLOSE)
+    start = len(text) - len(text[body:].lstrip())
     try:
-        call, end = JSON_DECODER.raw_decode(text, len(text) - len(text[body:].lstrip()))
-    except ValueError:
-        return None, skip
+        call, end = JSON_DECODER.raw_decode(text, start)
+    except json.JSONDecodeError as error:
+        return None, skip, f"is not valid JSON ({error.msg} at character {error.pos - start})"
+    except ValueError as error:  # NaN or Infinity
+        return None, skip, f"is not valid JSON ({error})"
     rest = text[end:].lstrip()
     if rest and not rest.startswith(QWEN25_CLOSE):
-        return None, skip
+        return None, skip, f"has text after its JSON object, before {QWEN25_CLOSE}"
     close = text.find(QWEN25_CLOSE, end)
-    return action_from_call(call), len(text) if close < 0 else close + len(QWEN25_CLOSE)
+    action = action_from_call(call)
+    if action is None:
+        return None, skip, 'is not {"name": <text>, "arguments": <an object>}'
+    return action, len(text) if close < 0 else close + len(QWEN25_CLOSE), ""
 
 
 # Every format by SGLang's name. Per format, text its chat templates hold (and the others' do not),

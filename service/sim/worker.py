@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -30,6 +31,7 @@ from service.records import rid_attempt_key
 from service.sim.policy import PlannedOutput, SimConfig, SimTokens, latency_factor, plan_output
 from service.sim.protocol import SimHTTPError, SimRequest, json_bytes
 from service.sim.vllm import VLLM_ID_PREFIX, sglang_body_of_vllm, vllm_error, vllm_response
+from service.sockets import listen
 
 __all__ = ["SimConfig", "SimRequest", "SimWorker", "create_sim_app", "main", "serve_in_thread"]
 
@@ -394,7 +396,17 @@ def create_sim_app(config: SimConfig | None = None, *, worker: SimWorker | None 
         return JSONResponse({"is_paused": sim._paused})
 
     async def health(request: Request) -> Response:
-        return Response(status_code=200 if sim.healthy else 503)
+        # SGLang's own /health is an empty 200; this says what answers, for people trying it out.
+        body = {
+            "status": "ok" if sim.healthy else "unhealthy",
+            "simulated": True,
+            "model_path": sim.model_path,
+            "weight_version": sim.weight_version,
+            "policy": policy_name(sim.config),
+            "running": sim.running,
+            "requests": len(sim.requests),
+        }
+        return JSONResponse(body, status_code=200 if sim.healthy else 503)
 
     async def model_info(request: Request) -> Response:
         return JSONResponse(
@@ -589,4 +601,25 @@ def main(
 ) -> None:
     """Serves one simulated worker until interrupted (`python -m service sim-worker`)."""
     sim_config = replace(config or SimConfig(), **overrides)
-    uvicorn.run(create_sim_app(sim_config), host=host, port=port, log_level="warning", ws="none")
+    app = create_sim_app(sim_config)
+    try:
+        sock = listen(host, port)
+    except OSError as error:
+        print(f"error: cannot listen on {host}:{port}: {error} (choose another --port)", file=sys.stderr)
+        raise SystemExit(2) from None
+    url = f"http://{host}:{port}"
+    print(
+        f"simulated SGLang (and vLLM) worker listening on {url}: policy {policy_name(sim_config)}, "
+        f"{sim_config.latency_seconds:g} s a request; point the service at it with SGLANG_URL={url} "
+        "(Ctrl-C stops it)",
+        flush=True,
+    )
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", ws="none")).run(sockets=[sock])
+
+
+def policy_name(config: SimConfig) -> str:
+    """The policy, as people read it: a function's module:name, or the built-in one."""
+    if config.policy is None:
+        return "built-in: builtin/shop's oracle; other envs: each tool once with valid args, then answers"
+    module = getattr(config.policy, "__module__", "?")
+    return f"{module}:{getattr(config.policy, '__qualname__', config.policy)}"

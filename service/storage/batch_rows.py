@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Integer, Result, Row, Text, cast, func, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from service.records import FINISHED_STATUSES, EpisodeStatus
+from service.records import FINISHED_STATUSES, TRAINABLE_STATUSES, EpisodeStatus
 from service.storage import blobs
 from service.storage.db import IN_LIST_CHUNK, Database
 from service.storage.groups import RewardStats
@@ -106,6 +106,7 @@ SUMMARY_SELECTED = (
     _token_count(Episode.prompt_ids).label("prompt_length"),
     _token_count(Episode.response_ids).label("response_length"),
     Episode.error,
+    Episode.status.in_(sorted(status.value for status in TRAINABLE_STATUSES)).label("trainable"),
 )
 # A batch's own fields, labelled as the API's BatchInfo names them.
 BATCH_SELECTED = (

@@ -39,6 +39,33 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+# The schemes people type, mapped to the async drivers the service installs (asyncpg, aiosqlite).
+ASYNC_SCHEMES = {
+    "postgresql": "postgresql+asyncpg",
+    "postgres": "postgresql+asyncpg",
+    "postgresql+psycopg": "postgresql+asyncpg",
+    "postgresql+psycopg2": "postgresql+asyncpg",
+    "sqlite": "sqlite+aiosqlite",
+}
+SUPPORTED_SCHEMES = ("postgresql+asyncpg", "sqlite+aiosqlite")
+
+
+def async_url(url: str) -> str:
+    """`url` with the service's async driver: `postgresql://` (the form most people type) becomes
+    `postgresql+asyncpg://`, `sqlite://` `sqlite+aiosqlite://`. Raises ValueError, saying what to
+    write, for a database the service does not speak."""
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        raise ValueError(f"{url!r} is not a URL: write postgresql://user@host/db or sqlite:///path.db")
+    scheme = ASYNC_SCHEMES.get(scheme.lower(), scheme.lower())
+    if scheme not in SUPPORTED_SCHEMES:
+        raise ValueError(
+            f"the service stores into PostgreSQL or SQLite, not {url.partition('://')[0]!r}: write "
+            "postgresql://user@host/db or sqlite:///path.db"
+        )
+    return f"{scheme}://{rest}"
+
+
 def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
@@ -234,12 +261,16 @@ class SchemaOutOfDate(RuntimeError):
     """The database is not at the newest migration; `python -m service migrate` fixes it."""
 
 
-def check_schema(url: str) -> None:
-    """Raises SchemaOutOfDate unless the database at `url` is at the newest migration."""
-    from alembic.runtime.migration import MigrationContext
+def head_revision(url: str) -> str | None:
+    """The newest migration the service has."""
     from alembic.script import ScriptDirectory
 
-    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+
+
+def current_revision(url: str) -> str | None:
+    """The migration the database at `url` is at (None: not migrated at all). Synchronous."""
+    from alembic.runtime.migration import MigrationContext
 
     async def current() -> str | None:
         engine = make_migration_engine(url)
@@ -251,7 +282,13 @@ def check_schema(url: str) -> None:
         finally:
             await engine.dispose()
 
-    revision = asyncio.run(current())
+    return asyncio.run(current())
+
+
+def check_schema(url: str) -> None:
+    """Raises SchemaOutOfDate unless the database at `url` is at the newest migration."""
+    head = head_revision(url)
+    revision = current_revision(url)
     if revision != head:
         raise SchemaOutOfDate(
             f"the database is at migration {revision or 'none'}, the service needs {head}: "

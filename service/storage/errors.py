@@ -69,3 +69,67 @@ def is_refused(error: BaseException) -> bool:
     """The database refused the statement or its data: the same call fails again however often it
     is retried (a ProgrammingError is a bug of ours, a DataError or IntegrityError may be the data's)."""
     return isinstance(error, _REFUSED) and not is_transient(error)
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """The error and what caused it, down to the driver's own (SQLAlchemy keeps it on `orig`)."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = error
+    while seen is not None and len(chain) < _CHAIN_LIMIT:
+        chain.append(seen)
+        seen = getattr(seen, "orig", None) or seen.__cause__ or seen.__context__
+    return chain
+
+
+def startup_problem(url: str, error: BaseException) -> str:
+    """What a failure to open the database at `url` at start-up means, in one line that says what
+    to do: the command line prints it instead of a traceback."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+    except Exception:  # the URL itself is the problem; its text says how
+        return f"DATABASE_URL {url!r} is not a database URL: {error}"
+    host = parsed.host or "localhost"
+    where = f"{host}:{parsed.port or 5432}"
+    refused = (
+        asyncpg.exceptions.InvalidAuthorizationSpecificationError,
+        asyncpg.exceptions.InvalidPasswordError,
+    )
+    for cause in _causes(error):
+        if isinstance(cause, asyncpg.exceptions.InvalidCatalogNameError):
+            return (
+                f"the database {parsed.database!r} does not exist on {where}: create it "
+                f"(createdb -h {host} {parsed.database}), then run `python -m service migrate`"
+            )
+        if isinstance(cause, refused):
+            return (
+                f"PostgreSQL at {where} refused user {parsed.username!r}: {cause} "
+                "(check DATABASE_URL's user and password)"
+            )
+        if isinstance(cause, OSError) and parsed.get_backend_name() == "postgresql":
+            return (
+                f"cannot reach PostgreSQL at {where} ({cause}): is it running, is DATABASE_URL's host right?"
+            )
+    root = _causes(error)[-1]
+    if parsed.get_backend_name() == "sqlite":
+        return sqlite_problem(parsed.database) or f"cannot open the SQLite file {parsed.database!r}: {root}"
+    first_line = (str(error).splitlines() or [""])[0]
+    shown = parsed.render_as_string(hide_password=True)
+    return f"cannot use the database {shown}: {type(error).__name__}: {first_line}"
+
+
+def sqlite_problem(path: str | None) -> str | None:
+    """Why a SQLite database file at `path` cannot be opened, checked before any driver tries (the
+    driver's own failure leaves a thread that prints a traceback at exit); None if nothing is wrong."""
+    import os
+    from pathlib import Path
+
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    directory = Path(path).expanduser().absolute().parent
+    if not directory.is_dir():
+        return f"cannot open the SQLite database {path!r}: no directory {directory}: create it"
+    if not os.access(directory, os.W_OK):
+        return f"cannot open the SQLite database {path!r}: this user may not write in {directory}"
+    return None

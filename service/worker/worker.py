@@ -19,6 +19,7 @@ from typing import TypeVar
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from service.config import Settings
+from service.engine.status import EngineStatus
 from service.logs import EPISODE_LOG_FIELDS
 from service.loop.runner import EpisodeRunner
 from service.records import EpisodeResult
@@ -65,12 +66,14 @@ class EpisodeWorker:
         *,
         on_finished: FinishedHook | None = None,
         worker_id: str | None = None,
+        engine_status: EngineStatus | None = None,
     ) -> None:
         self.settings = settings
         self.database = database
         self.writes = database.writer
         self.runner = runner
         self.on_finished = on_finished
+        self.engine_status = engine_status  # while it says the engine is down, nothing is claimed
         self.worker_id = worker_id or new_worker_id()
         self.running: dict[str, _Running] = {}
         self._writes: set[asyncio.Future[bool]] = set()  # result writes under way (shielded)
@@ -148,6 +151,10 @@ class EpisodeWorker:
         while not self._stopping.is_set():
             limit = min(self.settings.max_running_episodes - len(self.running), CLAIM_BATCH)
             claimed: list[ClaimedEpisode] = []
+            if self.engine_status is not None and self.engine_status.down:
+                await self.engine_status.check()  # asks the engine at most every PROBE_SECONDS
+                if self.engine_status.down:
+                    limit = 0
             if limit > 0:
                 try:
                     claimed = await queue.claim_episodes(
@@ -202,12 +209,14 @@ class EpisodeWorker:
     async def _write(self, claim: ClaimedEpisode, result: EpisodeResult) -> bool:
         """Stores the result, or re-queues a retryable failure that has attempts left, or a stale
         episode (past its max_staleness) for a fresh attempt, which is no failure."""
-        rerun_stale = result.stale and claim.attempt + 1 < STALE_ATTEMPTS
+        # An engine outage is waited out: the episode goes back to the queue, no failure counted,
+        # and the claim loop holds off until the engine answers. STALE_ATTEMPTS still bounds it (an
+        # engine that dies of this very episode's request must not loop forever).
+        rerun_stale = (result.stale or result.engine_down) and claim.attempt + 1 < STALE_ATTEMPTS
         retry_failed = result.retryable and claim.failures + 1 < self.settings.max_failed_attempts
         if rerun_stale or retry_failed:
-            logger.warning(
-                "episode %s attempt %d: %s; queued to run again", claim.id, claim.attempt, result.error
-            )
+            why = "the engine is down; queued to wait for it" if result.engine_down else "queued to run again"
+            logger.warning("episode %s attempt %d: %s; %s", claim.id, claim.attempt, result.error, why)
             released = await self._with_retries(
                 claim,
                 lambda: queue.release_episodes(

@@ -9,6 +9,20 @@ const GROUPS_PER_PAGE = 50;
 const HISTOGRAM_BINS = 20;
 const UNCERTAINTY_LEVELS = 10;
 const STATUSES = ["queued", "running", "completed", "truncated", "aborted", "failed", "cancelled"];
+// Each status has a symbol besides its colour (colour alone fails colour-blind readers), and what a
+// trainer does with it (the records' `trainable`).
+const STATUS_SYMBOLS = {
+  queued: "○", running: "▶", completed: "✓", truncated: "✂", aborted: "⊘", failed: "✗", cancelled: "–",
+};
+const STATUS_MEANINGS = {
+  queued: "waiting to run",
+  running: "in progress",
+  completed: "the env said done; trained on",
+  truncated: "cut at a limit; trained on",
+  aborted: "the policy's bad call or a refused request; not trained on",
+  failed: "infrastructure failed; not trained on",
+  cancelled: "its batch was cancelled; no tokens",
+};
 
 const main = document.getElementById("main");
 const forgetKey = document.getElementById("forget-key");
@@ -56,7 +70,14 @@ function when(iso) {
 }
 
 function statusBadge(status) {
-  return `<span class="status ${esc(status)}">${esc(status)}</span>`;
+  return `<span class="status ${esc(status)}">${STATUS_SYMBOLS[status] || "?"} ${esc(status)}</span>`;
+}
+
+function statusLegend(counts) {
+  const items = STATUSES.filter((status) => counts[status]).map(
+    (status) => `<span>${statusBadge(status)} ${esc(STATUS_MEANINGS[status])}</span>`,
+  );
+  return `<div class="legend" id="status-legend">${items.join("")}</div>`;
 }
 
 function countChips(counts) {
@@ -157,8 +178,9 @@ function histogram(rewards) {
   let low = Math.min(...rewards);
   let high = Math.max(...rewards);
   if (low === high) {
-    low -= 0.5;
-    high += 0.5;
+    // One value: one bar, labelled with it (a made-up range around it would suggest a spread).
+    return `<div class="histogram single" id="histogram"><div style="height:100%" title="${fixed(low, 2)}: ${rewards.length}"></div></div>
+      <div class="histogram-axis"><span>every one of the ${rewards.length} rewards is ${fixed(low, 2)}: no spread, no GRPO signal</span></div>`;
   }
   const bins = new Array(HISTOGRAM_BINS).fill(0);
   for (const reward of rewards) {
@@ -190,7 +212,7 @@ function sampleCell(episode) {
     .filter(Boolean)
     .join("\n");
   return `<a class="sample ${esc(episode.status)}" href="${link(`/episodes/${enc(episode.id)}`)}" title="${esc(title)}">
-    <b>${fixed(episode.reward, 2)}</b> · ${episode.num_turns ?? "–"}t · ${episode.response_length ?? "–"}tok</a>`;
+    <span class="symbol" aria-label="${esc(episode.status)}">${STATUS_SYMBOLS[episode.status] || "?"}</span> <b>${fixed(episode.reward, 2)}</b> · ${episode.num_turns ?? "–"}t · ${episode.response_length ?? "–"}tok</a>`;
 }
 
 async function batchPage(batchId, params) {
@@ -230,7 +252,7 @@ async function batchPage(batchId, params) {
   const chips = STATUSES.filter((status) => counts[status]).map((status) => {
     const on = wanted.has(status);
     const toggled = on ? [...wanted].filter((item) => item !== status) : [...wanted, status];
-    return `<a class="chip" role="button" aria-pressed="${on}" data-status="${status}" href="${at({ status: toggled, page: null })}">${status} ${counts[status]}</a>`;
+    return `<a class="chip" role="button" aria-pressed="${on}" data-status="${status}" href="${at({ status: toggled, page: null })}">${STATUS_SYMBOLS[status]} ${status} ${counts[status]}</a>`;
   });
   const rewards = shown.map((episode) => episode.reward).filter((reward) => reward !== null);
   main.innerHTML = `
@@ -242,6 +264,8 @@ async function batchPage(batchId, params) {
       <dt>Episodes</dt><dd>${batch.episodes.length} in ${new Set(batch.episodes.map((e) => e.group_index)).size} groups</dd>
       <dt>Reward mean</dt><dd>${fixed(mean(rewards))} <span class="muted">(shown episodes)</span></dd>
     </dl>
+    ${batch.waiting_for_engine ? `<div class="warn-box" id="engine-waiting">${esc(batch.waiting_for_engine)}</div>` : ""}
+    ${statusLegend(counts)}
     <div class="chips" id="status-filter">${chips.join("")}${wanted.size ? `<a class="chip" href="${at({ status: [], page: null })}">all</a>` : ""}</div>
     <h2>Rewards</h2>
     ${histogram(rewards)}
@@ -357,6 +381,13 @@ function uncertaintyStyles() {
   document.head.appendChild(style);
 }
 
+// Where the context after the last sampled token starts (the length when nothing follows it).
+function trailingContext(mask) {
+  let end = mask.length;
+  while (end > 0 && !mask[end - 1]) end -= 1;
+  return end === 0 ? mask.length : end;
+}
+
 function tokenHtml(view) {
   const texts = view.response_tokens;
   const mask = view.loss_mask;
@@ -379,6 +410,10 @@ function tokenHtml(view) {
     }
   }
   parts[texts.length] = marks.get(texts.length) || "";
+  const trailing = trailingContext(mask);
+  if (trailing < texts.length) {
+    parts[trailing] = `<span class="trailing-note" id="trailing-context">After the last sampled turn: context (mask 0, by design): what the environment answered and the next turn's header, as the model would see them if the episode went on; never trained on.</span>${parts[trailing]}`;
+  }
   return parts.join("");
 }
 
@@ -430,6 +465,20 @@ function openJson(event, path) {
     .then((blob) => window.open(URL.createObjectURL(new Blob([blob], { type: "application/json" })), "_blank"));
 }
 
+// The env's `info`, for the trainer only (never in the prompt): the task's ground truth and the
+// reward's breakdown (`reward_info`) first, then the rest, each value as JSON.
+function infoPanel(info) {
+  const entries = Object.entries(info || {});
+  if (!entries.length) return "";
+  entries.sort(([a], [b]) => (b === "reward_info") - (a === "reward_info"));
+  const rows = entries.map(([name, value]) => {
+    const text = typeof value === "string" ? value : JSON.stringify(value, null, 2);
+    return `<dt>${esc(name)}</dt><dd><pre>${esc(text)}</pre></dd>`;
+  });
+  return `<details class="panel" id="info-panel" open><summary>Task and reward (<code>info</code>: ground truth, reward breakdown; the trainer's, never the model's)</summary>
+    <dl class="facts info">${rows.join("")}</dl></details>`;
+}
+
 async function episodePage(episodeId, params) {
   const episode = await api(`/episodes/${enc(episodeId)}`);
   const tab = params.get("tab") || "transcript";
@@ -455,6 +504,7 @@ async function episodePage(episodeId, params) {
       <dt>Data</dt><dd><a id="json-link" href="${jsonPath}" target="_blank" rel="noopener">episode JSON</a></dd>
     </dl>
     ${episode.error ? `<div class="error-box" id="episode-error">${esc(episode.error)}</div>` : ""}
+    ${infoPanel(episode.info)}
     <div class="chips">${tabs}</div>
     <section id="tab-body"></section>`;
   document.getElementById("json-link").addEventListener("click", (event) => openJson(event, jsonPath));

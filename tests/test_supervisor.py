@@ -249,11 +249,16 @@ async def test_processes_drain_and_exit_when_the_parent_dies(database_url: str, 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 async def test_a_process_that_cannot_start_stops_the_service(database_url: str, tmp_path: Path) -> None:
+    # A tokenizer directory the command line's check passes (it holds a tokenizer.json) and that
+    # the service processes fail to load (it is not one).
+    broken = tmp_path / "broken-tokenizer"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("not a tokenizer")
     environment = {
         **os.environ,
         **{key.upper(): str(value) for key, value in (SERVICE_ENV | SETTINGS).items()},
         "DATABASE_URL": database_url,
-        "TOKENIZER_PATH": str(tmp_path / "no-tokenizer-here"),
+        "TOKENIZER_PATH": str(broken),
     }
     log_path = tmp_path / "service.log"
     with log_path.open("wb") as log:

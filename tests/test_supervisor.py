@@ -10,10 +10,12 @@ import signal
 import socket
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.__main__ import main
 from service.config import Settings
@@ -33,6 +35,7 @@ from tests.support.service_process import (
     episodes_of,
     service_process,
     simulated_sglang,
+    submission,
     submit,
     wait_batch_finished,
     wait_for,
@@ -315,3 +318,61 @@ def test_connections_to_the_listening_socket_send_at_once() -> None:
         accepted, _ = server.accept()
         with accepted:
             assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+async def test_metrics_count_for_the_whole_host_and_answer_probes_without_a_key(
+    database_url: str, db: Database, tmp_path: Path
+) -> None:
+    """Two workers and an API process: whichever takes a scrape, /metrics shows every process's
+    counts (the API process submitted the batch, the workers ran it), without an API key."""
+    settings = SETTINGS | {"serve_workers": 2, "serve_api_processes": 1, "api_keys": "k1"}
+    async with simulated_sglang(latency_seconds=0.05) as (_, sglang_url):
+        async with service_process(tmp_path, database_url, sglang_url, "host", **settings) as service:
+            await start_processes(service, 3)
+            async with httpx.AsyncClient(base_url=service.url, timeout=10) as http:
+                body = submission("host", TASKS, SAMPLES)
+                response = await http.post("/episodes", json=body, headers={"Authorization": "Bearer k1"})
+                assert response.status_code == 202, response.text
+                episodes = await wait_batch_finished(db, "host", FINISH_TIMEOUT_SECONDS)
+                assert (await http.get("/ready")).status_code == 200
+                assert (await http.get("/batches")).status_code == 401
+                scrapes = []
+                for _ in range(SCRAPES):  # a new connection each: any process may take it
+                    async with httpx.AsyncClient(base_url=service.url, timeout=10) as scraper:
+                        scrape = await scraper.get("/metrics")
+                    assert scrape.status_code == 200, scrape.text
+                    scrapes.append(metric_samples(scrape.text))
+            (metrics_dir,) = [
+                Path(line["message"].rsplit(" ", 1)[1])
+                for line in service.log_lines()
+                if line["message"].startswith("metrics of the service processes in ")
+            ]
+            assert list(metrics_dir.glob("counter_*.db"))
+            service.terminate()
+            assert await service.wait_exit(EXIT_MARGIN_SECONDS) == 0, service.log_tail()
+
+    finished = Counter(episode.status for episode in episodes)
+    turns = sum(episode.num_turns for episode in episodes)
+    for values in scrapes:
+        assert values[("rollout_episodes_submitted_total", ())] == TASKS * SAMPLES
+        by_status = {
+            dict(labels)["status"]: value
+            for (name, labels), value in values.items()
+            if name == "rollout_episodes_finished_total" and value
+        }
+        assert by_status == finished, by_status
+        assert values[("rollout_turns_total", ())] == turns
+        assert values[("rollout_episodes_outstanding", ())] == 0
+        assert values[("rollout_inflight_episodes", ())] == 0
+    assert not metrics_dir.exists()  # the run's directory goes with it
+
+
+SCRAPES = 6
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

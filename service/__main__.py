@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         "builtin/shop's oracle, and for any other env each tool called once with valid arguments, "
         "then an answer).",
     )
+    commands.add_parser(
+        "tool-call-format",
+        help="Print the tool-call format of the policy (TOOL_CALL_FORMAT, `auto` resolved from "
+        "TOKENIZER_PATH's chat template), by SGLang's --tool-call-parser names.",
+    )
     openapi = commands.add_parser("openapi", help="Write the API's OpenAPI document as YAML.")
     openapi.add_argument("--output", type=Path, default=None, help="File to write (default: stdout).")
     args = parser.parse_args(argv)
@@ -138,6 +143,14 @@ def main(argv: list[str] | None = None) -> int:
 
             sim_config = replace(sim_config, policy=load_function(args.policy))
         sim_main(args.host, args.port, sim_config)
+    elif args.command == "tool-call-format":
+        from service.resources import tool_call_format
+
+        try:
+            print(tool_call_format(settings, None))
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     elif args.command == "openapi":
         from service.openapi import openapi_yaml
 

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -50,12 +49,12 @@ from bench.common import (  # noqa: E402
     fresh_database,
     sim_worker,
     stop,
+    submit_and_wait,
     wait_healthy,
 )
 from bench.workers import machine_cpu_seconds, process_tree_cpu_seconds, started_processes  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
-LONG_POLL_SECONDS = 300.0
 CHUNK_BYTES = 65536
 SSL_REQUEST, GSSENC_REQUEST = 80877103, 80877104  # untyped start-up messages before the real one
 STATEMENT_MESSAGES = {ord("E"), ord("Q")}  # Execute (extended protocol), Query (simple)
@@ -307,31 +306,6 @@ def run_once(
         "statuses": {status: count for status, count in batch["counts"].items() if count},
         "exit_code": exit_code,
     }
-
-
-def submit_and_wait(url: str, tasks: int, samples: int, max_wall: float) -> dict[str, Any]:
-    started = time.perf_counter()
-    with httpx.Client(base_url=url, timeout=LONG_POLL_SECONDS + 60) as http:
-        response = http.post(
-            "/episodes",
-            json={
-                "env": "builtin/shop",
-                "task_split": "test",
-                "task_indices": list(range(tasks)),
-                "samples_per_task": samples,
-                "sampling_params": {"temperature": 1.0, "max_new_tokens": 256},
-                "max_turns": 12,
-            },
-        )
-        response.raise_for_status()
-        batch_id = response.json()["batch_id"]
-        batch: dict[str, Any] = {"complete": False}
-        while not batch["complete"] and time.perf_counter() - started < max_wall:
-            wait = min(LONG_POLL_SECONDS, max(0.1, max_wall - (time.perf_counter() - started)))
-            polled = http.get(f"/batches/{batch_id}", params={"wait": wait})
-            polled.raise_for_status()
-            batch = polled.json()
-    return batch
 
 
 def projection(runs: list[dict[str, Any]], pg_cores: float, utilisation: float) -> dict[str, Any]:

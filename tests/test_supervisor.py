@@ -15,16 +15,20 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.__main__ import main
 from service.config import Settings
+from service.metrics import MULTIPROCESS_DIR_VARIABLE
 from service.records import FINISHED_STATUSES
 from service.sim.worker import SimWorker
 from service.sockets import listen
 from service.storage.db import Database
 from service.storage.models import Episode
-from service.supervisor import process_settings
+from service.supervisor import host_metrics, process_settings
 from tests.support.contract import assert_trainer_contract, sim_calls
 from tests.support.ports import free_port
 from tests.support.service_process import (
@@ -376,3 +380,32 @@ def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def test_a_given_metrics_directory_is_emptied_and_a_temporary_one_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a run's processes count starts from zero: values an earlier run left in the directory
+    (a pod's emptyDir survives a container restart) would be added to the host's sums."""
+    given = tmp_path / "metrics"
+    given.mkdir()
+    stale = MmapedDict(str(given / "counter_4242.db"))
+    stale.write_value(mmap_key("rollout_turns", "rollout_turns_total", [], [], "old"), 1000.0, 0.0)
+    stale.close()
+    assert metric_samples(render_directory(given))[("rollout_turns_total", ())] == 1000
+    monkeypatch.setenv(MULTIPROCESS_DIR_VARIABLE, str(given))
+    with host_metrics() as directory:
+        assert directory == given and not list(given.iterdir())
+        assert os.environ[MULTIPROCESS_DIR_VARIABLE] == str(given)
+    assert given.is_dir()  # the operator's directory stays
+
+    monkeypatch.delenv(MULTIPROCESS_DIR_VARIABLE)
+    with host_metrics() as directory:
+        assert directory.is_dir() and os.environ[MULTIPROCESS_DIR_VARIABLE] == str(directory)
+    assert not directory.exists() and MULTIPROCESS_DIR_VARIABLE not in os.environ
+
+
+def render_directory(directory: Path) -> str:
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, str(directory))
+    return generate_latest(registry).decode()

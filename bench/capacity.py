@@ -9,9 +9,11 @@ statements (Execute and simple Query messages), bytes each way. Beside it: commi
 pg_stat_database (this database only, so other work on the server is not counted), and the CPU of
 the PostgreSQL backends that served this database (/proc, sampled while their connections live).
 
-The projection: PostgreSQL's CPU per turn gives the turns/s a server of `--pg-cores` cores carries
-at `--pg-utilisation`; the service's measured turns/s a core gives the processes that takes. The
-assumptions are printed with the figures.
+The projection: the database's work (statements, bytes, commits, its CPU) is fitted over the runs as
+so much per episode plus so much per second of each service process (lease renewals and claim polls
+cost whether episodes run or not). A process running flat out (its least CPU per turn measured here)
+then costs the server so many cores; `--pg-cores` at `--pg-utilisation` carries that many processes
+and their turns/s. The assumptions are printed with the figures.
 
 Run from the repo root:
     .venv/bin/python bench/capacity.py [--episodes 2000] [--latency 0.5] [--processes 1 2 4]
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import numpy
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -285,6 +288,7 @@ def run_once(
         "parses_per_turn": round((traffic.parses - traffic0.parses) / per_turn, 2),
         "bytes_to_db_per_turn": round(sent / per_turn),
         "bytes_from_db_per_turn": round(received / per_turn),
+        "bytes": sent + received,
         "bytes_per_episode": round((sent + received) / max(finished, 1)),
         "commits": delta.get("xact_commit", 0),
         "commits_per_s": round(delta.get("xact_commit", 0) / wall, 1),
@@ -308,31 +312,59 @@ def run_once(
     }
 
 
+# Database work that a run's totals are fitted to: per finished episode, and per second of each
+# service process (lease renewals, claim polls, sweeps: paid whether episodes run or not).
+FITTED = ("statements", "bytes", "commits", "pg_cpu_s")
+
+
+def fit(runs: list[dict[str, Any]], key: str) -> tuple[float, float]:
+    """`key`'s total over the runs, least squares: (per episode, per process-second), neither below 0."""
+    rows = [[run["finished"], run["processes"] * run["wall_s"]] for run in runs]
+    totals = [run[key] for run in runs]
+    (per_episode, per_process_second), *_ = numpy.linalg.lstsq(
+        numpy.array(rows), numpy.array(totals), rcond=None
+    )
+    return max(float(per_episode), 0.0), max(float(per_process_second), 0.0)
+
+
 def projection(runs: list[dict[str, Any]], pg_cores: float, utilisation: float) -> dict[str, Any]:
-    """What one PostgreSQL of `pg_cores` carries at `utilisation`, from the most loaded run's database
-    CPU per turn, and the service processes that many turns/s take (the service's CPU per turn)."""
-    widest = max(runs, key=lambda run: run["processes"])
-    pg_ms = max(widest["pg_cpu_ms_per_turn"], 1e-6)
+    """What one PostgreSQL of `pg_cores` carries at `utilisation`: each service process running flat
+    out (its least CPU per turn measured) costs the database its episodes' work plus its own per-second
+    work (the fit over the runs); the processes that fill the server, and their turns/s."""
+    fits = {key: fit(runs, key) for key in FITTED}
+    turns_per_episode = sum(run["turns"] for run in runs) / max(sum(run["finished"] for run in runs), 1)
     service_ms = min(run["service_cpu_ms_per_turn"] for run in runs)
-    turns_per_s = pg_cores * utilisation * 1e3 / pg_ms
-    per_process = 1e3 / service_ms  # one process on one core, busy
+    process_turns_per_s = 1e3 / service_ms
+    process_episodes_per_s = process_turns_per_s / turns_per_episode
+
+    def per_process(key: str) -> float:  # per second, of one process running flat out
+        per_episode, per_second = fits[key]
+        return process_episodes_per_s * per_episode + per_second
+
+    processes = pg_cores * utilisation / max(per_process("pg_cpu_s"), 1e-9)
     return {
         "pg_cores": pg_cores,
         "pg_utilisation": utilisation,
-        "pg_cpu_ms_per_turn": pg_ms,
+        "fit_per_episode": {key: round(fits[key][0], 6) for key in FITTED},
+        "fit_per_process_second": {key: round(fits[key][1], 6) for key in FITTED},
+        "turns_per_episode": round(turns_per_episode, 2),
         "service_cpu_ms_per_turn": service_ms,
-        "turns_per_s_one_pg_carries": round(turns_per_s),
-        "turns_per_s_per_service_process": round(per_process),
-        "service_processes_one_pg_carries": round(turns_per_s / per_process),
-        "commits_per_s_at_that_rate": round(turns_per_s * widest["commits_per_turn"]),
-        "statements_per_s_at_that_rate": round(turns_per_s * widest["statements_per_turn"]),
+        "turns_per_s_per_service_process": round(process_turns_per_s),
+        "pg_cores_per_service_process": round(per_process("pg_cpu_s"), 4),
+        "service_processes_one_pg_carries": round(processes),
+        "turns_per_s_one_pg_carries": round(processes * process_turns_per_s),
+        "commits_per_s_at_that_rate": round(processes * per_process("commits")),
+        "statements_per_s_at_that_rate": round(processes * per_process("statements")),
+        "mb_per_s_at_that_rate": round(processes * per_process("bytes") / 1e6, 1),
         "connections_at_that_rate": "processes x (DATABASE_POOL_SIZE + DATABASE_MAX_OVERFLOW)",
         "assumptions": [
-            "PostgreSQL's CPU per turn stays what it was here (it is per statement, not per process)",
-            f"a dedicated server of {pg_cores} cores is used to {utilisation:.0%} by the service's backends",
+            "the database's work is per episode plus per second of each process, as fitted over the runs",
+            f"a dedicated server of {pg_cores:g} cores is used to {utilisation:.0%} by the service",
             "the disk keeps up with the commit rate (group commit: one WAL flush per writer batch)",
-            "a service process runs one core flat out at its measured CPU per turn; the engine is elsewhere",
-            "episodes like builtin/shop's (a few hundred tokens a turn); longer turns write more bytes",
+            "a service process runs one core flat out at its least measured CPU per turn; the engine is "
+            "elsewhere",
+            "episodes like builtin/shop's (about 5 turns, a few hundred tokens each); longer ones write "
+            "more bytes per episode",
         ],
     }
 

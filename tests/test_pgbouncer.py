@@ -41,7 +41,7 @@ pytestmark = [
 SERVER_CONNECTIONS = 2
 START_TIMEOUT_SECONDS = 15.0
 TASKS, SAMPLES = 6, 2
-FINISH_TIMEOUT_SECONDS = 90.0
+FINISH_TIMEOUT_SECONDS = 180.0  # a loaded shared machine
 
 
 def pgbouncer_config(directory: Path, port: int) -> Path:

@@ -42,6 +42,8 @@ pytest: $(STAMP)
 	if [ $$chromium -ne 0 ] && [ $$chromium -ne 3 ]; then exit $$chromium; fi; \
 	scripts/ensure_vllm.sh >/dev/null; vllm=$$?; \
 	if [ $$vllm -ne 0 ] && [ $$vllm -ne 3 ]; then exit $$vllm; fi; \
+	scripts/ensure_pgbouncer.sh; pgbouncer=$$?; \
+	if [ $$pgbouncer -ne 0 ] && [ $$pgbouncer -ne 3 ]; then exit $$pgbouncer; fi; \
 	ROLLOUT_SKIP_POSTGRES=$$([ $$postgres -eq 3 ] && echo 1) ROLLOUT_SKIP_BROWSER=$$([ $$chromium -eq 3 ] && echo 1) \
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -28,6 +28,7 @@ START_TIMEOUT_SECONDS = 120.0
 STOP_TIMEOUT_SECONDS = 60.0
 SHOP_TEST_TASKS = 50  # builtin/shop's test split
 HEALTH_INTERVAL_SECONDS = 0.2
+LONG_POLL_SECONDS = 300.0  # the service's MAX_LONG_POLL_SECONDS
 T = TypeVar("T")
 
 
@@ -44,6 +45,33 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url} not healthy after {START_TIMEOUT_SECONDS} s")
         time.sleep(0.2)
+
+
+def submit_and_wait(url: str, tasks: int, samples: int, max_wall: float) -> dict[str, Any]:
+    """POSTs a batch of builtin/shop episodes and long-polls it, as a trainer does, until it is
+    complete or `max_wall` seconds have passed; the batch as last read."""
+    started = time.perf_counter()
+    with httpx.Client(base_url=url, timeout=LONG_POLL_SECONDS + 60) as http:
+        response = http.post(
+            "/episodes",
+            json={
+                "env": "builtin/shop",
+                "task_split": "test",
+                "task_indices": list(range(tasks)),
+                "samples_per_task": samples,
+                "sampling_params": {"temperature": 1.0, "max_new_tokens": 256},
+                "max_turns": 12,
+            },
+        )
+        response.raise_for_status()
+        batch_id = response.json()["batch_id"]
+        batch: dict[str, Any] = {"complete": False}
+        while not batch["complete"] and time.perf_counter() - started < max_wall:
+            wait = min(LONG_POLL_SECONDS, max(0.1, max_wall - (time.perf_counter() - started)))
+            polled = http.get(f"/batches/{batch_id}", params={"wait": wait})
+            polled.raise_for_status()
+            batch = polled.json()
+    return batch
 
 
 def stop(process: subprocess.Popen[bytes]) -> int:

@@ -30,8 +30,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -42,11 +40,11 @@ from bench.common import (  # noqa: E402
     fresh_database,
     sim_worker,
     stop,
+    submit_and_wait,
     wait_healthy,
 )
 from tests.support.ports import free_port  # noqa: E402
 
-LONG_POLL_SECONDS = 300.0  # the service's MAX_LONG_POLL_SECONDS
 GOAL_RATIO = 1.7  # issue 10: 2 processes on 2 cores
 
 
@@ -90,8 +88,6 @@ def engine(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[str, int |
 
 def started_processes(log: Path) -> int:
     return log.read_text(errors="replace").count('"message": "Application startup complete."')
-
-
 
 
 def run_once(
@@ -141,26 +137,7 @@ def run_once(
             started = time.perf_counter()
             health = HealthProbe(url)
             health.start()
-            with httpx.Client(base_url=url, timeout=LONG_POLL_SECONDS + 60) as http:
-                response = http.post(
-                    "/episodes",
-                    json={
-                        "env": "builtin/shop",
-                        "task_split": "test",
-                        "task_indices": list(range(tasks)),
-                        "samples_per_task": samples,
-                        "sampling_params": {"temperature": 1.0, "max_new_tokens": 256},
-                        "max_turns": 12,
-                    },
-                )
-                response.raise_for_status()
-                batch_id = response.json()["batch_id"]
-                batch: dict[str, Any] = {"complete": False}
-                while not batch["complete"] and time.perf_counter() - started < max_wall:
-                    wait = min(LONG_POLL_SECONDS, max(0.1, max_wall - (time.perf_counter() - started)))
-                    polled = http.get(f"/batches/{batch_id}", params={"wait": wait})
-                    polled.raise_for_status()
-                    batch = polled.json()
+            batch = submit_and_wait(url, tasks, samples, max_wall)
             wall = time.perf_counter() - started
             health_stats = health.stats()
             cpu = process_tree_cpu_seconds(process.pid) - cpu0

@@ -13,7 +13,18 @@ SIM_CLI_REQUEST_LOG = 1000  # generate requests `sim-worker` remembers (at 10,00
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("migrate", help="Upgrade the database of DATABASE_URL to the newest schema.")
+    migrate = commands.add_parser(
+        "migrate", help="Upgrade the database of DATABASE_URL to the newest schema."
+    )
+    migrate.add_argument(
+        "--check",
+        action="store_true",
+        help="Change nothing: exit 0 if the schema is the newest, else 2 (a pod's init container waits "
+        "on it for the migration Job).",
+    )
+    migrate.add_argument(
+        "--wait", type=float, default=0.0, metavar="SECONDS", help="With --check: ask again until then."
+    )
     serve = commands.add_parser("serve", help="Serve the API and run episodes (RUN_WORKER=false: API only).")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -56,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         "builtin/shop's oracle, and for any other env each tool called once with valid arguments, "
         "then an answer).",
     )
+    commands.add_parser(
+        "tool-call-format",
+        help="Print the tool-call format of the policy (TOOL_CALL_FORMAT, `auto` resolved from "
+        "TOKENIZER_PATH's chat template), by SGLang's --tool-call-parser names.",
+    )
     openapi = commands.add_parser("openapi", help="Write the API's OpenAPI document as YAML.")
     openapi.add_argument("--output", type=Path, default=None, help="File to write (default: stdout).")
     args = parser.parse_args(argv)
@@ -78,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {name}: {item['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    if args.command == "migrate" and args.check:
+        from service.storage.db import wait_for_schema
+
+        return wait_for_schema(settings.database_url, args.wait)
     if args.command in ("migrate", "serve"):
         from sqlalchemy.engine import make_url
 
@@ -149,6 +169,14 @@ def main(argv: list[str] | None = None) -> int:
 
             sim_config = replace(sim_config, policy=load_function(args.policy))
         sim_main(args.host, args.port, sim_config)
+    elif args.command == "tool-call-format":
+        from service.resources import tool_call_format
+
+        try:
+            print(tool_call_format(settings, None))
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     elif args.command == "openapi":
         from service.openapi import openapi_yaml
 

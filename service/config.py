@@ -87,7 +87,8 @@ class Settings(BaseSettings):
     )
     api_keys: SecretStr = Field(
         default=SecretStr(""),
-        description="Comma-separated API keys; when set, every endpoint but /health needs "
+        description="Comma-separated API keys; when set, every endpoint but the probes and the scrape "
+        "(/health, /ready, /metrics) needs "
         "'Authorization: Bearer <key>'. Unset: no authentication (a warning is logged at start).",
     )
 
@@ -126,6 +127,12 @@ class Settings(BaseSettings):
         default=POSTGRES_POOL_TIMEOUT_SECONDS,
         gt=0,
         description="How long a request waits for a free connection before answering 503 (Retry-After).",
+    )
+    database_transaction_pooler: bool = Field(
+        default=False,
+        description="PostgreSQL is reached through a transaction-mode pooler (PgBouncer pool_mode="
+        "transaction, older than 1.21 or with max_prepared_statements=0): prepared statements are not "
+        "kept across transactions. Not needed for a direct connection or a session-mode pooler.",
     )
 
     # The queue and the worker.

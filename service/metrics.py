@@ -1,21 +1,42 @@
-"""Prometheus metrics, in a registry of the app's own (several apps may live in one process)."""
+"""Prometheus metrics, in a registry of the app's own (several apps may live in one process).
+
+Under `serve --workers N` every process writes its values to files in one directory
+(prometheus_client's multiprocess mode, PROMETHEUS_MULTIPROC_DIR, set by the supervisor before it
+starts them), and /metrics, whichever process answers it, renders the host's sum: counters and
+histograms summed over every process that ran (a replaced process's counts stay), the in-flight
+gauges summed over the live ones, and the database's readings as the answering process takes them."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_MEDIA_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from service.records import DEADLINE_NOTE, EpisodeResult, EpisodeStatus
 
 LATENCY_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-__all__ = ["PROMETHEUS_MEDIA_TYPE", "Metrics"]
+# prometheus_client reads it when first imported: a process must have it in its environment from start.
+MULTIPROCESS_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
+
+__all__ = ["MULTIPROCESS_DIR_VARIABLE", "PROMETHEUS_MEDIA_TYPE", "Metrics", "clear_multiprocess_dir"]
+
+
+def clear_multiprocess_dir(directory: Path) -> None:
+    """Empties (creating it if need be) a directory of multiprocess values before a run: what an
+    earlier run left there would otherwise be added to this one's counts."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.db"):
+        stale.unlink()
 
 
 class Metrics:
     def __init__(self) -> None:
+        self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_VARIABLE) or None
         self.registry = CollectorRegistry()
         registry = self.registry
         self.submitted = Counter(
@@ -70,20 +91,37 @@ class Metrics:
             "rollout_env_seconds", "Duration of one environment step.", buckets=LATENCY_BUCKETS_SECONDS,
             registry=registry,
         )  # fmt: skip
+        # Readings of the database, the same from any process: the one answering the scrape took
+        # them last ("mostrecent" across processes).
         self.episodes = Gauge(
-            "rollout_episodes", "Episodes in the database, by status.", ["status"], registry=registry
+            "rollout_episodes", "Episodes in the database, by status.", ["status"], registry=registry,
+            multiprocess_mode="mostrecent",
+        )  # fmt: skip
+        self.queue_depth = Gauge(
+            "rollout_queue_depth", "Episodes waiting to be claimed.", registry=registry,
+            multiprocess_mode="mostrecent",
+        )  # fmt: skip
+        self.outstanding = Gauge(
+            "rollout_episodes_outstanding",
+            "Episodes queued or running, in the whole database: the demand worker replicas scale on "
+            "(a HorizontalPodAutoscaler's external metric, divided by MAX_RUNNING_EPISODES per replica).",
+            registry=registry,
+            multiprocess_mode="mostrecent",
         )
-        self.queue_depth = Gauge("rollout_queue_depth", "Episodes waiting to be claimed.", registry=registry)
+        # This host's processes: summed over the live ones.
         self.inflight_episodes = Gauge(
-            "rollout_inflight_episodes", "Episodes running here.", registry=registry
-        )
+            "rollout_inflight_episodes", "Episodes running in this host's processes.", registry=registry,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
         self.inflight_generates = Gauge(
-            "rollout_inflight_generates", "/generate calls in flight.", registry=registry
-        )
+            "rollout_inflight_generates", "/generate calls in flight from this host's processes.",
+            registry=registry, multiprocess_mode="livesum",
+        )  # fmt: skip
         self.engine_paused = Gauge(
             "rollout_engine_paused",
             "1 while generation is paused (POST /engine/pause, until /engine/continue or MAX_PAUSE_SECONDS).",
             registry=registry,
+            multiprocess_mode="livemax",
         )
         for status in EpisodeStatus:
             if status.finished:  # queued and running are not outcomes: no always-zero series for them
@@ -128,8 +166,14 @@ class Metrics:
         """The text format, with the gauges set from these readings of the database and the process."""
         for status, count in episodes_by_status.items():
             self.episodes.labels(status).set(count)
-        self.queue_depth.set(episodes_by_status.get(EpisodeStatus.QUEUED.value, 0))
+        queued = episodes_by_status.get(EpisodeStatus.QUEUED.value, 0)
+        self.queue_depth.set(queued)
+        self.outstanding.set(queued + episodes_by_status.get(EpisodeStatus.RUNNING.value, 0))
         self.inflight_episodes.set(inflight_episodes)
         self.inflight_generates.set(inflight_generates)
         self.engine_paused.set(int(paused))
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        host = CollectorRegistry()
+        MultiProcessCollector(host, self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(host)

@@ -15,16 +15,22 @@ import multiprocessing
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import FrameType
 
+from prometheus_client.multiprocess import mark_process_dead
 from uvicorn.config import STARTUP_FAILURE
 
 from service.config import Settings
 from service.logs import configure_logging
+from service.metrics import MULTIPROCESS_DIR_VARIABLE, clear_multiprocess_dir
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +69,24 @@ def serve_process(settings: Settings, sock: socket.socket | None) -> None:
         run_service(settings, sockets=[sock])
 
 
+@contextmanager
+def host_metrics() -> Iterator[Path]:
+    """The directory the processes of this run write their metrics to, empty at start and named in
+    the environment they inherit: PROMETHEUS_MULTIPROC_DIR when set (a pod's emptyDir, say), else a
+    temporary directory, removed at the end."""
+    given = os.environ.get(MULTIPROCESS_DIR_VARIABLE)
+    if given:
+        clear_multiprocess_dir(Path(given))
+        yield Path(given)
+        return
+    with tempfile.TemporaryDirectory(prefix="rollout-metrics-") as directory:
+        os.environ[MULTIPROCESS_DIR_VARIABLE] = directory
+        try:
+            yield Path(directory)
+        finally:
+            del os.environ[MULTIPROCESS_DIR_VARIABLE]
+
+
 def _drain_when_orphaned() -> None:
     """A supervisor that died (SIGKILL, OOM) cannot stop or replace its processes: each then drains
     and exits rather than go on serving unsupervised."""
@@ -92,6 +116,7 @@ class Supervisor:
         self.processes: dict[int, tuple[BaseProcess, int]] = {}  # by sentinel: the process, its role
         self.stopping = False
         self.exit_code = 0
+        self.metrics_dir: Path | None = None
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -100,15 +125,17 @@ class Supervisor:
         api = sum(1 for settings, _ in self.roles if not settings.run_worker)
         count = len(self.roles)
         logger.info("serving on %s:%d with %d service processes (%d API only)", host, port, count, api)
-        for role in range(len(self.roles)):
-            self._start(role)
-        while self.processes:
-            wait(list(self.processes))
-            for sentinel, (process, role) in list(self.processes.items()):
-                if process.exitcode is not None:
-                    del self.processes[sentinel]
-                    process.join()
-                    self._exited(process, role)
+        with host_metrics() as self.metrics_dir:
+            logger.info("metrics of the service processes in %s", self.metrics_dir)
+            for role in range(len(self.roles)):
+                self._start(role)
+            while self.processes:
+                wait(list(self.processes))
+                for sentinel, (process, role) in list(self.processes.items()):
+                    if process.exitcode is not None:
+                        del self.processes[sentinel]
+                        process.join()
+                        self._exited(process, role)
         return self.exit_code
 
     def _start(self, role: int) -> None:
@@ -123,6 +150,9 @@ class Supervisor:
 
     def _exited(self, process: BaseProcess, role: int) -> None:
         code = process.exitcode
+        if self.metrics_dir is not None and process.pid is not None:
+            # Its gauges leave the live sums.
+            mark_process_dead(process.pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
         if self.stopping:
             if code in STOPPED_EXIT_CODES:
                 logger.info("service process %d stopped", process.pid)

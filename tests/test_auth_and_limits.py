@@ -1,6 +1,7 @@
-"""API keys: every endpoint but /health (and the pages: the viewer, the API docs and their contract,
-tests/test_viewer_api.py) needs `Authorization: Bearer <one of API_KEYS>`; without keys the service
-runs open and says so in its start-up log."""
+"""API keys: every endpoint but the probes and the scrape (/health, /ready, /metrics) and the pages
+(the viewer, the API docs and their contract, tests/test_viewer_api.py) needs
+`Authorization: Bearer <one of API_KEYS>`; without keys the service runs open and says so in its
+start-up log."""
 
 from __future__ import annotations
 
@@ -47,8 +48,6 @@ async def protected_requests(http: httpx.AsyncClient, headers: dict[str, str]) -
         f"/episodes/{episode_id}",
         "/batches/auth",
         "/envs",
-        "/metrics",
-        "/ready",
         "/batches",
         "/batches/auth/episodes",
         "/groups",
@@ -88,11 +87,13 @@ async def test_protected_endpoints_refuse_a_missing_or_wrong_key(
 ) -> None:
     async with httpx.AsyncClient(base_url=keyed_url, timeout=10) as http:
         responses = await protected_requests(http, headers)
-        head_ready = await http.head("/ready", headers=headers)
-        assert (await http.get("/health", headers=headers)).status_code == 200
-        assert (await http.head("/health", headers=headers)).status_code == 200
+        # A kubelet's probes and a Prometheus scrape send no key (or whatever they were given).
+        for path in ("/health", "/ready"):
+            assert (await http.get(path, headers=headers)).status_code == 200, path
+            assert (await http.head(path, headers=headers)).status_code == 200, path
+        scrape = await http.get("/metrics", headers=headers)
+        assert scrape.status_code == 200 and "rollout_episodes_outstanding 0.0" in scrape.text
         responses["GET /episodes/{id}/tokens"] = await http.get("/episodes/x/tokens", headers=headers)
-    assert head_ready.status_code == 401 and head_ready.headers["www-authenticate"] == "Bearer"
     for name, response in responses.items():
         assert response.status_code == 401, (name, response.status_code, response.text)
         assert response.headers["www-authenticate"] == "Bearer", name
@@ -105,6 +106,8 @@ async def test_either_key_opens_every_endpoint(keyed_url: str, key: str) -> None
     async with httpx.AsyncClient(base_url=keyed_url, timeout=10) as http:
         responses = await protected_requests(http, bearer(key))
         assert (await http.get("/health")).status_code == 200  # with no key at all
+        # The episode just submitted waits (no worker here): the autoscaler's metric counts it.
+        assert "rollout_episodes_outstanding 1.0" in (await http.get("/metrics")).text
     assert responses.pop("POST /episodes").status_code == 202
     for name, response in responses.items():
         assert response.status_code == 200, (name, response.status_code, response.text)

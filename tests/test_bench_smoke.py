@@ -192,3 +192,19 @@ def test_trainer_adapters_quick(capsys: pytest.CaptureFixture[str]) -> None:
     for way in ("bare_client", "slime", "verl", "trl", "skyrl", "areal", "openrlhf"):
         assert_positive(result[way], "cold_seconds", "warm_seconds")
     assert "max_overhead_of_step" in result and result["verl_vs_slime_cold"] > 0
+
+
+@pytest.mark.postgres
+@pytest.mark.usefixtures("postgres_template")
+def test_capacity_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("capacity")
+    bench.main(["--quick"])
+    result = last_json_line(capsys.readouterr().out)
+    assert [run["processes"] for run in result["runs"]] == [1, 2]
+    for run in result["runs"]:
+        assert run["finished"] == run["episodes"] == 100 and run["complete"]
+        # The proxy read the protocol: statements and bytes each way, and the server counted commits.
+        assert_positive(
+            run, "statements_per_turn", "bytes_to_db_per_turn", "bytes_from_db_per_turn", "commits"
+        )
+    assert_positive(result["projection"], "turns_per_s_one_pg_carries", "service_processes_one_pg_carries")

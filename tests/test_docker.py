@@ -36,7 +36,7 @@ import pytest
 import yaml
 from docker.utils.build import PatternMatcher
 
-from service.config import environment_names
+from service.config import TEST_TOKENIZER_DIR, environment_names
 from tests.support.ports import free_port, refused_url
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,7 +233,13 @@ def test_dependencies_exist_and_are_waitable(model: Any) -> None:
 
 def test_services_and_their_wiring() -> None:
     services = base_model()["services"]
-    assert set(active_services(base_model())) == {"postgres", "sglang", "migrate", "service"}
+    assert set(active_services(base_model())) == {
+        "postgres",
+        "sglang",
+        "tool-call-format",
+        "migrate",
+        "service",
+    }
     assert services["sglang-router"]["profiles"] == ["router"]
 
     assert services["postgres"]["image"] == "postgres:16"
@@ -262,10 +268,16 @@ def test_sglang_worker_has_a_gpu_and_a_patient_healthcheck() -> None:
     sglang = base_model()["services"]["sglang"]
     image, tag = sglang["image"].split(":")
     assert image == "lmsysorg/sglang" and tag == "v0.5.19-cu129"
-    assert sglang["command"] == [
-        "python3", "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen2.5-7B-Instruct",
-        "--host", "0.0.0.0", "--port", "30000", "--tool-call-parser", "qwen25",
+    shell, flag, script = sglang["command"]
+    assert (shell, flag) == ("sh", "-c")
+    script = script.replace("$$", "$")  # `config` prints the model re-escaped; the container gets one $
+    assert shlex.split(script.split("exec ", 1)[1]) == [
+        "python3", "-m", "sglang.launch_server", "--model-path", "$MODEL_PATH",
+        "--host", "0.0.0.0", "--port", "30000", "--tool-call-parser", "$(cat /run/rollout/tool-call-parser)",
     ]  # fmt: skip
+    assert sglang["environment"]["MODEL_PATH"] == "Qwen/Qwen2.5-7B-Instruct"
+    assert "sglang-args:/run/rollout:ro" in short_volumes(sglang)
+    assert depends_on(sglang) == {"tool-call-format": {"condition": "service_completed_successfully"}}
     devices = sglang["deploy"]["resources"]["reservations"]["devices"]
     assert any(d.get("driver") == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     assert sglang["ipc"] == "host"
@@ -274,6 +286,37 @@ def test_sglang_worker_has_a_gpu_and_a_patient_healthcheck() -> None:
     assert "/health" in " ".join(sglang["healthcheck"]["test"])
     assert seconds(sglang["healthcheck"]["start_period"]) >= 600
     assert short_ports(sglang) == ["127.0.0.1:30000:30000"]
+
+
+def test_sglang_parses_tool_calls_as_the_service_does(tmp_path: Path) -> None:
+    """compose derives SGLang's --tool-call-parser by the service's own command, from the model's
+    tokenizer (TOKENIZER_PATH defaults to MODEL_PATH) or TOOL_CALL_FORMAT; here that command runs
+    with the one-shot's environment (the test tokenizer's template writes qwen25's calls)."""
+    services = base_model({**DUMMY_ENV, "MODEL_PATH": "org/m", "TOOL_CALL_FORMAT": "llama3"})["services"]
+    one_shot = services["tool-call-format"]
+    assert one_shot["restart"] == "no" and short_volumes(one_shot) == ["sglang-args:/run/rollout"]
+    shell, flag, script = one_shot["command"]
+    assert (shell, flag, script) == (
+        "sh",
+        "-c",
+        "python -m service tool-call-format > /run/rollout/tool-call-parser",
+    )
+    env = env_of(one_shot)
+    assert env["TOKENIZER_PATH"] == "org/m" and env["TOOL_CALL_FORMAT"] == "llama3"
+    assert env_of(services["service"])["TOOL_CALL_FORMAT"] == "llama3"  # the two agree
+    for format_, expected in (("auto", "qwen25"), ("llama3", "llama3")):
+        done = subprocess.run(
+            [sys.executable, "-m", "service", "tool-call-format"],
+            env={**os.environ, "TOOL_CALL_FORMAT": format_, "TOKENIZER_PATH": str(TEST_TOKENIZER_DIR)},
+            capture_output=True, text=True, timeout=120, check=False, cwd=ROOT,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout == f"{expected}\n", done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "tool-call-format"],
+        env={**os.environ, "TOOL_CALL_FORMAT": "qwen99"}, capture_output=True, text=True, timeout=120,
+        check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2 and "unknown tool-call format 'qwen99'" in done.stderr
 
 
 def test_router_profile_launches_the_router_wheel() -> None:

@@ -10,19 +10,25 @@ import signal
 import socket
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.__main__ import main
 from service.config import Settings
+from service.metrics import MULTIPROCESS_DIR_VARIABLE
 from service.records import FINISHED_STATUSES
 from service.sim.worker import SimWorker
 from service.sockets import listen
 from service.storage.db import Database
 from service.storage.models import Episode
-from service.supervisor import process_settings
+from service.supervisor import host_metrics, process_settings
 from tests.support.contract import assert_trainer_contract, sim_calls
 from tests.support.ports import free_port
 from tests.support.service_process import (
@@ -33,6 +39,7 @@ from tests.support.service_process import (
     episodes_of,
     service_process,
     simulated_sglang,
+    submission,
     submit,
     wait_batch_finished,
     wait_for,
@@ -320,3 +327,90 @@ def test_connections_to_the_listening_socket_send_at_once() -> None:
         accepted, _ = server.accept()
         with accepted:
             assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+async def test_metrics_count_for_the_whole_host_and_answer_probes_without_a_key(
+    database_url: str, db: Database, tmp_path: Path
+) -> None:
+    """Two workers and an API process: whichever takes a scrape, /metrics shows every process's
+    counts (the API process submitted the batch, the workers ran it), without an API key."""
+    settings = SETTINGS | {"serve_workers": 2, "serve_api_processes": 1, "api_keys": "k1"}
+    async with simulated_sglang(latency_seconds=0.05) as (_, sglang_url):
+        async with service_process(tmp_path, database_url, sglang_url, "host", **settings) as service:
+            await start_processes(service, 3)
+            async with httpx.AsyncClient(base_url=service.url, timeout=10) as http:
+                body = submission("host", TASKS, SAMPLES)
+                response = await http.post("/episodes", json=body, headers={"Authorization": "Bearer k1"})
+                assert response.status_code == 202, response.text
+                episodes = await wait_batch_finished(db, "host", FINISH_TIMEOUT_SECONDS)
+                assert (await http.get("/ready")).status_code == 200
+                assert (await http.get("/batches")).status_code == 401
+                scrapes = []
+                for _ in range(SCRAPES):  # a new connection each: any process may take it
+                    async with httpx.AsyncClient(base_url=service.url, timeout=10) as scraper:
+                        scrape = await scraper.get("/metrics")
+                    assert scrape.status_code == 200, scrape.text
+                    scrapes.append(metric_samples(scrape.text))
+            (metrics_dir,) = [
+                Path(line["message"].rsplit(" ", 1)[1])
+                for line in service.log_lines()
+                if line["message"].startswith("metrics of the service processes in ")
+            ]
+            assert list(metrics_dir.glob("counter_*.db"))
+            service.terminate()
+            assert await service.wait_exit(EXIT_MARGIN_SECONDS) == 0, service.log_tail()
+
+    finished = Counter(episode.status for episode in episodes)
+    turns = sum(episode.num_turns for episode in episodes)
+    for values in scrapes:
+        assert values[("rollout_episodes_submitted_total", ())] == TASKS * SAMPLES
+        by_status = {
+            dict(labels)["status"]: value
+            for (name, labels), value in values.items()
+            if name == "rollout_episodes_finished_total" and value
+        }
+        assert by_status == finished, by_status
+        assert values[("rollout_turns_total", ())] == turns
+        assert values[("rollout_episodes_outstanding", ())] == 0
+        assert values[("rollout_inflight_episodes", ())] == 0
+    assert not metrics_dir.exists()  # the run's directory goes with it
+
+
+SCRAPES = 6
+
+
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_a_given_metrics_directory_is_emptied_and_a_temporary_one_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a run's processes count starts from zero: values an earlier run left in the directory
+    (a pod's emptyDir survives a container restart) would be added to the host's sums."""
+    given = tmp_path / "metrics"
+    given.mkdir()
+    stale = MmapedDict(str(given / "counter_4242.db"))
+    stale.write_value(mmap_key("rollout_turns", "rollout_turns_total", [], [], "old"), 1000.0, 0.0)
+    stale.close()
+    assert metric_samples(render_directory(given))[("rollout_turns_total", ())] == 1000
+    monkeypatch.setenv(MULTIPROCESS_DIR_VARIABLE, str(given))
+    with host_metrics() as directory:
+        assert directory == given and not list(given.iterdir())
+        assert os.environ[MULTIPROCESS_DIR_VARIABLE] == str(given)
+    assert given.is_dir()  # the operator's directory stays
+
+    monkeypatch.delenv(MULTIPROCESS_DIR_VARIABLE)
+    with host_metrics() as directory:
+        assert directory.is_dir() and os.environ[MULTIPROCESS_DIR_VARIABLE] == str(directory)
+    assert not directory.exists() and MULTIPROCESS_DIR_VARIABLE not in os.environ
+
+
+def render_directory(directory: Path) -> str:
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, str(directory))
+    return generate_latest(registry).decode()

@@ -9,7 +9,9 @@ from service.api.auth import authorized
 from service.api.errors import PayloadTooLarge, ServiceError, Unauthorized, error_response
 from service.config import Settings
 
-PUBLIC_PATHS = frozenset({"/health"})
+# Probes and scrapes: a kubelet's probe and an annotation-discovered Prometheus scrape send no key.
+# They tell whether the service is up and how many episodes it holds, nothing of any batch.
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
 # Pages and what they load, none of it data: the viewer (which asks for a key and sends it to the
 # JSON API) and the API docs with the contract they render (openapi.yaml is public anyway).
 PUBLIC_PAGES = frozenset({"/", "/ui", "/docs", "/docs/oauth2-redirect", "/openapi.json"})

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -70,12 +72,28 @@ def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
+def unique_statement_name() -> str:
+    """A prepared statement's name no other connection uses: behind a transaction-mode pooler
+    (PgBouncer) a server connection outlives the client's, with the statements it prepared."""
+    return f"__asyncpg_{uuid.uuid4().hex}__"
+
+
+# asyncpg keeps no prepared statement across transactions (a transaction-mode pooler hands the next
+# one to another server connection), and names each one uniquely.
+TRANSACTION_POOLER_CONNECT_ARGS: dict[str, Any] = {
+    "statement_cache_size": 0,
+    "prepared_statement_cache_size": 0,
+    "prepared_statement_name_func": unique_statement_name,
+}
+
+
 def make_engine(
     url: str,
     *,
     pool_size: int = POSTGRES_POOL_SIZE,
     max_overflow: int = POSTGRES_MAX_OVERFLOW,
     pool_timeout: float = POSTGRES_POOL_TIMEOUT_SECONDS,
+    transaction_pooler: bool = False,
     echo: bool = False,
 ) -> AsyncEngine:
     """An async engine for a sqlite+aiosqlite:// or postgresql+asyncpg:// URL.
@@ -98,7 +116,10 @@ def make_engine(
         pool_timeout=pool_timeout,
         pool_pre_ping=True,
         pool_recycle=POSTGRES_POOL_RECYCLE_SECONDS,
-        connect_args={"timeout": POSTGRES_CONNECT_TIMEOUT_SECONDS},
+        connect_args={
+            "timeout": POSTGRES_CONNECT_TIMEOUT_SECONDS,
+            **(TRANSACTION_POOLER_CONNECT_ARGS if transaction_pooler else {}),
+        },
     )
 
 
@@ -108,11 +129,14 @@ def make_migration_engine(url: str) -> AsyncEngine:
     Batch mode alters a SQLite table by copying it and dropping the original; with foreign keys on,
     dropping a referenced table would cascade-delete the rows referencing it. SQLite ignores
     `PRAGMA foreign_keys` inside a transaction, so it is left off for the whole connection.
+    PostgreSQL: a few statements, none worth a cache, so it works through a transaction-mode pooler
+    as it does directly.
     """
-    engine = create_async_engine(url, poolclass=NullPool)
     if is_sqlite(url):
+        engine = create_async_engine(url, poolclass=NullPool)
         _make_sqlite_transactional(engine, foreign_keys=False)
-    return engine
+        return engine
+    return create_async_engine(url, poolclass=NullPool, connect_args=TRANSACTION_POOLER_CONNECT_ARGS)
 
 
 def _make_sqlite_transactional(engine: AsyncEngine, *, foreign_keys: bool) -> None:
@@ -204,9 +228,16 @@ class Database:
         pool_size: int = POSTGRES_POOL_SIZE,
         max_overflow: int = POSTGRES_MAX_OVERFLOW,
         pool_timeout: float = POSTGRES_POOL_TIMEOUT_SECONDS,
+        transaction_pooler: bool = False,
     ) -> Database:
         """The pool (PostgreSQL) serves the readers; the writer holds one connection of it at a time."""
-        engine = make_engine(url, pool_size=pool_size, max_overflow=max_overflow, pool_timeout=pool_timeout)
+        engine = make_engine(
+            url,
+            pool_size=pool_size,
+            max_overflow=max_overflow,
+            pool_timeout=pool_timeout,
+            transaction_pooler=transaction_pooler,
+        )
         read_only = engine.execution_options(**{READ_ONLY_OPTION: True})
         sessionmaker = make_sessionmaker(engine)
         return cls(
@@ -259,6 +290,25 @@ def run_migrations(url: str, revision: str = "head") -> None:
 
 class SchemaOutOfDate(RuntimeError):
     """The database is not at the newest migration; `python -m service migrate` fixes it."""
+
+
+SCHEMA_POLL_SECONDS = 2.0
+
+
+def wait_for_schema(url: str, timeout_seconds: float) -> int:
+    """`migrate --check`: 0 once the database is at the newest migration (asked every
+    SCHEMA_POLL_SECONDS until `timeout_seconds`), else 2 with the reason on stderr. An unreachable
+    database counts as not yet migrated."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            check_schema(url)
+            return 0
+        except Exception as error:  # out of date, or no answer yet: both are waited on
+            if time.monotonic() >= deadline:
+                print(f"error: {error}", file=sys.stderr)
+                return 2
+        time.sleep(SCHEMA_POLL_SECONDS)
 
 
 def head_revision(url: str) -> str | None:

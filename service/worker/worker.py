@@ -20,7 +20,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from service.config import Settings
 from service.logs import EPISODE_LOG_FIELDS
-from service.loop.runner import EpisodeRunner
+from service.loop.driven import Runner
 from service.records import EpisodeResult
 from service.retries import backoff, failed_attempt
 from service.storage import agents, queue
@@ -49,6 +49,8 @@ class _Running:
     claim: ClaimedEpisode
     task: asyncio.Task[None]
     writing: bool = False  # its result write has started: a late lease renewal must not cancel it
+    # Handed over to its agent (an agent-driven env's driver): its lease is the agent's now.
+    handed_over: bool = False
 
 
 def new_worker_id() -> str:
@@ -60,7 +62,7 @@ class EpisodeWorker:
         self,
         settings: Settings,
         database: Database,
-        runner: EpisodeRunner,
+        runner: Runner,
         *,
         on_finished: FinishedHook | None = None,
         worker_id: str | None = None,
@@ -90,6 +92,11 @@ class EpisodeWorker:
     def wake(self) -> None:
         """New work was enqueued: claim now instead of at the next poll."""
         self._wake.set()
+
+    def hand_over(self, episode_id: str) -> None:
+        """The episode was handed over to its agent (loop/driven.py): the heartbeat leaves it be."""
+        if (running := self.running.get(episode_id)) is not None:
+            running.handed_over = True
 
     def cancel(self, episode_ids: Collection[str]) -> set[str]:
         """Stops those of `episode_ids` that run here (their batch was cancelled): cancelling an
@@ -180,6 +187,8 @@ class EpisodeWorker:
         try:
             try:
                 result = await self.runner.run(claim.spec)
+                if result is None:  # handed over to its agent (an agent-driven env), which finishes it
+                    return
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # a bug in the loop must end this episode, not the worker
@@ -268,7 +277,7 @@ class EpisodeWorker:
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.lease_seconds / 3
         while await self._pause(interval):
-            ids = list(self.running)
+            ids = [episode_id for episode_id, running in self.running.items() if not running.handed_over]
             if not ids:
                 continue
             try:

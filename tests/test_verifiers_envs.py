@@ -7,7 +7,6 @@ databases. verifiers 0.4 needs openai 2.x, which the dev extra's openai-agents d
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,7 +20,6 @@ pytest.importorskip("verifiers.v1", reason="verifiers is not installed here: `ma
 
 from service.app import create_app
 from service.serving import serve_app
-from service.sim.policy import parse_chatml
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from tests.conftest import service_settings
 from tests.support.contract import assert_tokens_match_calls, generate_call
@@ -31,25 +29,11 @@ TASKSETS = str(Path(__file__).parent / "verifiers_tasksets")
 if TASKSETS not in sys.path:
     sys.path.insert(0, TASKSETS)
 
+from vf_plugins import policy  # noqa: E402  (the simulated worker's policy for both tasksets)
+
 PLUGINS = "vf_plugins:env_specs"
 ARITHMETIC = "verifiers/vf_arithmetic"
 FILES = "verifiers/vf_files"
-
-
-def policy(prompt: str, key: str) -> str:
-    """Plays both tasksets: sums right when the first term is even and off by one otherwise; writes
-    the asked word to answer.txt with the bash tool, then says done."""
-    messages = parse_chatml(prompt)
-    user = next(content for role, content, _ in messages if role == "user")
-    if match := re.search(r"What is (\d+) \+ (\d+)\?", user):
-        a, b = int(match[1]), int(match[2])
-        return str(a + b if a % 2 == 0 else a + b + 1)
-    if match := re.search(r"Write the word (\w+)", user):
-        if not any(role == "assistant" for role, _, closed in messages if closed):
-            command = f"printf {match[1]} > answer.txt"
-            return f'<tool_call>\n{{"name": "bash", "arguments": {{"command": "{command}"}}}}\n</tool_call>'
-        return "Done."
-    return "I cannot tell."
 
 
 @asynccontextmanager

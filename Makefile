@@ -24,7 +24,7 @@ VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed-stamp
 $(VERIFIERS_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VERIFIERS_VENV)
 	$(VERIFIERS_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VERIFIERS_VENV)/bin/python -m pip install --quiet -e ".[verifiers,verifiers-tests]"
+	$(VERIFIERS_VENV)/bin/python -m pip install --quiet -e ".[verifiers,verifiers-tests,reasoning-gym]"
 	touch $(VERIFIERS_STAMP)
 
 demo: $(STAMP)

@@ -29,7 +29,7 @@ TASKSETS = str(Path(__file__).parent / "verifiers_tasksets")
 if TASKSETS not in sys.path:
     sys.path.insert(0, TASKSETS)
 
-from vf_plugins import policy  # noqa: E402  (the simulated worker's policy for both tasksets)
+from vf_policy import policy  # noqa: E402  (the simulated worker's policy for both tasksets)
 
 PLUGINS = "vf_plugins:env_specs"
 ARITHMETIC = "verifiers/vf_arithmetic"

@@ -290,7 +290,8 @@ class EpisodeWorker:
                 continue
             for episode_id in set(ids) - renewed:
                 running = self.running.get(episode_id)
-                if running is not None and not running.writing and not running.task.done():
+                settled = running is None or running.writing or running.handed_over
+                if running is not None and not settled and not running.task.done():
                     # Re-queued behind its back (another worker runs it), or its batch was cancelled.
                     logger.warning("lost the lease of episode %s; stopped", episode_id)
                     running.task.cancel()

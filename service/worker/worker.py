@@ -290,11 +290,12 @@ class EpisodeWorker:
                 continue
             for episode_id in set(ids) - renewed:
                 running = self.running.get(episode_id)
-                settled = running is None or running.writing or running.handed_over
-                if running is not None and not settled and not running.task.done():
-                    # Re-queued behind its back (another worker runs it), or its batch was cancelled.
-                    logger.warning("lost the lease of episode %s; stopped", episode_id)
-                    running.task.cancel()
+                # Writing, or handed over to its agent meanwhile: no longer a lease to keep.
+                if running is None or running.writing or running.handed_over or running.task.done():
+                    continue
+                # Re-queued behind its back (another worker runs it), or its batch was cancelled.
+                logger.warning("lost the lease of episode %s; stopped", episode_id)
+                running.task.cancel()
 
     async def _sweep_loop(self) -> None:
         lease = self.settings.lease_seconds

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-vllm test lint pytest openapi bench serve clean
+.PHONY: install demo demo-vllm test lint pytest test-verifiers openapi bench serve clean
 
 $(STAMP): pyproject.toml client/pyproject.toml examples/helpdesk_env/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,17 @@ $(STAMP): pyproject.toml client/pyproject.toml examples/helpdesk_env/pyproject.t
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# verifiers (pyproject's `verifiers` extra) needs openai 2.x, the dev extra openai 3.x: its envs are
+# tested in a virtualenv of their own.
+VERIFIERS_VENV := .venv-verifiers
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed-stamp
+
+$(VERIFIERS_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VERIFIERS_VENV)/bin/python -m pip install --quiet -e ".[verifiers,verifiers-tests,reasoning-gym]"
+	touch $(VERIFIERS_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m service demo
@@ -28,7 +39,7 @@ demo-vllm: $(STAMP)
 # browser tests in Debian's Chromium (installed if missing, as root) and the real-engine tests against
 # vLLM on the CPU (scripts/ensure_vllm.sh: a virtualenv and a tiny model cached under ~/.cache, built
 # once). Where one cannot be had, its tests are skipped with that reason, except on CI.
-test: lint pytest
+test: lint pytest test-verifiers
 
 lint: $(STAMP)
 	$(BIN)/ruff check service client tests bench scripts docker examples
@@ -47,6 +58,13 @@ pytest: $(STAMP)
 	ROLLOUT_SKIP_POSTGRES=$$([ $$postgres -eq 3 ] && echo 1) ROLLOUT_SKIP_BROWSER=$$([ $$chromium -eq 3 ] && echo 1) \
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# verifiers environments end to end, on SQLite and the local PostgreSQL (tests/test_verifiers_envs.py).
+test-verifiers: $(VERIFIERS_STAMP)
+	@scripts/ensure_postgres.sh; postgres=$$?; \
+	if [ $$postgres -ne 0 ] && [ $$postgres -ne 3 ]; then exit $$postgres; fi; \
+	ROLLOUT_SKIP_POSTGRES=$$([ $$postgres -eq 3 ] && echo 1) PATH=$(CURDIR)/$(VERIFIERS_VENV)/bin:$$PATH \
+	$(VERIFIERS_VENV)/bin/python -m pytest tests/test_verifiers_envs.py $(PYTEST_ARGS)
+
 openapi: $(STAMP)
 	$(BIN)/python -m service openapi --output openapi.yaml
 
@@ -57,4 +75,4 @@ serve: $(STAMP)
 	$(BIN)/python -m service serve --migrate
 
 clean:
-	rm -rf $(VENV) demo.db demo-vllm.db rollouts.db .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERIFIERS_VENV) demo.db demo-vllm.db rollouts.db .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -229,6 +229,11 @@ class Settings(BaseSettings):
         description="An external agent's episode (env `external`) with no call for this long ends "
         "`failed` (timed out).",
     )
+    service_url: str = Field(
+        default="http://127.0.0.1:8000",
+        description="Where this service's episode endpoints are reached from its own env workers: "
+        "agent-driven envs (verifiers') call the model at <SERVICE_URL>/v1/episodes/{id}.",
+    )
 
     user_sim: UserSimConfig = Field(
         default_factory=UserSimSettings,

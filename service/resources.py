@@ -18,6 +18,7 @@ from service.engine.transport import SocketTransport
 from service.engine.vllm import VLLMClient
 from service.envs.base import EnvSpec
 from service.envs.host import EnvHost
+from service.loop.driven import DrivingRunner
 from service.loop.runner import EpisodeRunner
 from service.loop.tokens import ChatTokenizer, HFTokenizer
 from service.loop.toolcalls import AUTO, format_of_template, get_parser
@@ -161,13 +162,22 @@ async def episode_worker(
             get_parser(tokenizers.call_format),
             max_turn_resumes=settings.max_turn_resumes,
         )
-        worker = EpisodeWorker(
-            settings, database, runner, on_finished=endings.result_stored, engine_status=engine.status
+        driving = DrivingRunner(
+            runner,
+            env_host,
+            database,
+            service_url=lambda: settings.service_url,
+            idle_seconds=settings.external_idle_seconds,
         )
+        worker = EpisodeWorker(
+            settings, database, driving, on_finished=endings.result_stored, engine_status=engine.status
+        )
+        driving.on_handover = worker.hand_over
         worker.start()
         try:
             yield worker
         finally:
             await worker.stop()
+            await driving.close()
     finally:
         await env_host.close()

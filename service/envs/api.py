@@ -24,6 +24,10 @@ an env worker process, where it stays; its calls come one at a time):
 - `transcript`: messages of the environment's own turn that the policy does not see (a simulated
   user's tool calls), marked `"env_only": True`; the episode's transcript shows them.
 - An exception in reset/step aborts the episode with that error (never a reward of 0).
+
+An agent-driven env (EnvSpec.driver; verifiers': service/envs/verifiers_envs.py) owns its rollout
+loop instead: `driver(DriveRequest)` plays the episode against its own OpenAI endpoint
+(`base_url`, `api_key`) and returns a DriveOutcome (reward, info, or an error).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from service.envs.base import (
     PROTOCOL_VERSION,
     RESPOND_ACTION_NAME,
     Action,
+    DriveOutcome,
+    DriveRequest,
     Environment,
     EnvSpec,
     Reset,
@@ -49,6 +55,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "RESPOND_ACTION_NAME",
     "Action",
+    "DriveOutcome",
+    "DriveRequest",
     "EnvProtocolError",
     "EnvSpec",
     "Environment",

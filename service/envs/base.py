@@ -108,6 +108,34 @@ class UserSimConfig(BaseModel):
 
 
 @dataclass(frozen=True)
+class DriveRequest:
+    """One episode handed to an agent-driven env's driver (EnvSpec.driver): where its model is,
+    the episode's own OpenAI endpoint (`OpenAI(base_url=base_url, api_key=api_key)`: every call is
+    recorded with exact tokens, resumed across weight updates and bounded by its limits), and
+    which task it plays."""
+
+    base_url: str
+    api_key: str
+    task_split: str
+    task_index: int
+    max_turns: int
+    episode_key: str  # "<episode id>:<attempt>"
+
+
+@dataclass(frozen=True)
+class DriveOutcome:
+    """How a driven episode ended: its reward with its components in `info` (JSON), or an error
+    (the episode then ends `aborted` if `env_error`, the env's own failure, else `failed`: never a
+    reward of 0)."""
+
+    reward: float | None
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    env_error: bool = True  # the env's own fault (aborted) rather than infrastructure's (failed)
+    truncated: bool = False  # it stopped at a limit (turns, tokens, time): ends `truncated`
+
+
+@dataclass(frozen=True)
 class EnvSpec:
     """A named environment as listed by GET /envs."""
 
@@ -126,3 +154,8 @@ class EnvSpec:
     protocol: int = PROTOCOL_VERSION  # the env protocol version the spec was written for
     # Where the spec came from, for GET /envs: "builtin", "entry point NAME (dist VERSION)", ...
     source: str = "builtin"
+    # An agent-driven env (verifiers'): it owns its rollout loop and calls the model itself. The
+    # service hands each episode to `driver(DriveRequest)` in an env worker (its factory is not
+    # used), which plays it through the episode's own OpenAI endpoint and returns how it ended.
+    # Must pickle, as factory.
+    driver: Callable[[DriveRequest], DriveOutcome] | None = None

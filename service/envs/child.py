@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from service.envs.base import Action, Environment, Reset, Step, UserSimConfig
+from service.envs.base import Action, DriveOutcome, DriveRequest, Environment, Reset, Step, UserSimConfig
 from service.envs.checks import check_reset, check_step, check_tools
 from service.envs.errors import EnvError
 
@@ -134,6 +134,14 @@ def _checked_reset(env: Environment, task_index: int) -> Reset:
 
 def _checked_step(env: Environment, action: Action) -> Step:
     return check_step(env.step(action))
+
+
+def drive_env(driver: Callable[[DriveRequest], DriveOutcome], request: DriveRequest) -> DriveOutcome:
+    """Plays one episode of an agent-driven env (EnvSpec.driver) on this thread."""
+    outcome = _guarded(driver, request)
+    if not isinstance(outcome, DriveOutcome):
+        raise EnvError(f"the driver answered {type(outcome).__name__}, not a DriveOutcome")
+    return outcome
 
 
 def close_env(key: str) -> None:

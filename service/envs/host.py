@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from service.envs import child
-from service.envs.base import EnvSpec, UserSimConfig
+from service.envs.base import DriveOutcome, DriveRequest, EnvSpec, UserSimConfig
 from service.envs.errors import EnvCallTimeout, EnvHostClosed, EnvHostError, EnvNotFound, EnvWorkerCrashed
 from service.envs.executors import (
     EXECUTOR_KINDS,
@@ -147,6 +147,26 @@ class EnvHost:
             session.pid = pid if self.executor_kind == "process" else None
             return session
         raise AssertionError("unreachable")
+
+    def driven(self, env_name: str) -> bool:
+        """Whether `env_name` is agent-driven (EnvSpec.driver): its episodes are played by drive()."""
+        try:
+            return self._spec(env_name).driver is not None
+        except EnvNotFound:
+            return False
+
+    async def drive(self, env_name: str, request: DriveRequest) -> DriveOutcome:
+        """Plays one episode of an agent-driven env in the least-loaded worker, bounded by the call
+        timeout (ENV_CALL_TIMEOUT_SECONDS) as any env call."""
+        spec = self._spec(env_name)
+        assert spec.driver is not None, f"{env_name} is not agent-driven"
+        worker = min(self._live_workers(), key=lambda w: w.sessions)
+        worker.sessions += 1
+        try:
+            call = self.submit(worker, child.drive_env, spec.driver, request)
+            return await self.outcome(call, f"the driver of {env_name!r} for episode {request.episode_key!r}")
+        finally:
+            worker.sessions -= 1
 
     async def _open_in(
         self, worker: EnvWorker, key: str, spec: EnvSpec, split: str, episode_key: str

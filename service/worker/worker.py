@@ -21,7 +21,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 from service.config import Settings
 from service.engine.status import EngineStatus
 from service.logs import EPISODE_LOG_FIELDS
-from service.loop.runner import EpisodeRunner
+from service.loop.driven import Runner
 from service.records import EpisodeResult
 from service.retries import backoff, failed_attempt
 from service.storage import agents, engine_state, queue
@@ -51,6 +51,8 @@ class _Running:
     claim: ClaimedEpisode
     task: asyncio.Task[None]
     writing: bool = False  # its result write has started: a late lease renewal must not cancel it
+    # Handed over to its agent (an agent-driven env's driver): its lease is the agent's now.
+    handed_over: bool = False
 
 
 def new_worker_id() -> str:
@@ -62,7 +64,7 @@ class EpisodeWorker:
         self,
         settings: Settings,
         database: Database,
-        runner: EpisodeRunner,
+        runner: Runner,
         *,
         on_finished: FinishedHook | None = None,
         worker_id: str | None = None,
@@ -95,6 +97,11 @@ class EpisodeWorker:
     def wake(self) -> None:
         """New work was enqueued: claim now instead of at the next poll."""
         self._wake.set()
+
+    def hand_over(self, episode_id: str) -> None:
+        """The episode was handed over to its agent (loop/driven.py): the heartbeat leaves it be."""
+        if (running := self.running.get(episode_id)) is not None:
+            running.handed_over = True
 
     def cancel(self, episode_ids: Collection[str]) -> set[str]:
         """Stops those of `episode_ids` that run here (their batch was cancelled): cancelling an
@@ -189,6 +196,8 @@ class EpisodeWorker:
         try:
             try:
                 result = await self.runner.run(claim.spec)
+                if result is None:  # handed over to its agent (an agent-driven env), which finishes it
+                    return
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # a bug in the loop must end this episode, not the worker
@@ -279,7 +288,7 @@ class EpisodeWorker:
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.lease_seconds / 3
         while await self._pause(interval):
-            ids = list(self.running)
+            ids = [episode_id for episode_id, running in self.running.items() if not running.handed_over]
             if not ids:
                 continue
             try:
@@ -292,10 +301,12 @@ class EpisodeWorker:
                 continue
             for episode_id in set(ids) - renewed:
                 running = self.running.get(episode_id)
-                if running is not None and not running.writing and not running.task.done():
-                    # Re-queued behind its back (another worker runs it), or its batch was cancelled.
-                    logger.warning("lost the lease of episode %s; stopped", episode_id)
-                    running.task.cancel()
+                # Writing, or handed over to its agent meanwhile: no longer a lease to keep.
+                if running is None or running.writing or running.handed_over or running.task.done():
+                    continue
+                # Re-queued behind its back (another worker runs it), or its batch was cancelled.
+                logger.warning("lost the lease of episode %s; stopped", episode_id)
+                running.task.cancel()
 
     async def _sweep_loop(self) -> None:
         lease = self.settings.lease_seconds

@@ -1,0 +1,234 @@
+"""verifiers environments through the service: the service's CPU per model call of verifiers'
+rollouts (each call through the episode's own OpenAI endpoint), against its own loop's CPU per
+turn in the same run; and `GET /envs` with the verifiers envs listed, and what listing them adds
+to start-up.
+
+`python -m service serve` and `python -m service sim-worker --policy vf_policy:policy` each run in
+their own process; the service lists tests/verifiers_tasksets' two tasksets (ENV_PLUGINS). Phase 1
+(baseline): N episodes of builtin/shop run by the service's own loop. Phase 2: N episodes of the
+verifiers tasksets (single-turn and multi-turn with bash tools), each verifiers' own agent in an env
+worker calling the episode's endpoint. Service CPU is the serve process's own (the API, the worker,
+the agent endpoints): verifiers' harness programs and the env workers are reported apart.
+
+N is bounded by what verifiers' rollouts need here: each is a harness program (a Python process)
+in verifiers' subprocess runtime, and each holds an env-call thread (ENV_WORKERS x
+ENV_THREADS_PER_WORKER at once); 1,000 of them do not fit a 2-core machine.
+
+Run from the repo root in the verifiers virtualenv (`make test-verifiers` builds it):
+    PATH=.venv-verifiers/bin:$PATH .venv-verifiers/bin/python bench/verifiers_envs.py [--episodes 64]
+        [--database sqlite|postgres] [--latency 0.05]
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TASKSETS = REPO / "tests" / "verifiers_tasksets"
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(TASKSETS))
+
+import httpx  # noqa: E402
+
+from bench.common import cpu_seconds_of, fresh_database, percentiles_ms, stop, wait_healthy  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+
+GOAL = "verifiers' calls through the episode endpoint <= 1.5x the loop's CPU per turn; GET /envs < 50 ms"
+
+
+def descendants_cpu(pid: int) -> float:
+    """CPU seconds of every live descendant of `pid` (env workers; harness programs that still run)."""
+    total = 0.0
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    try:
+        kids = [int(k) for k in children.read_text().split()]
+    except OSError:
+        return 0.0
+    for kid in kids:
+        total += cpu_seconds_of(kid) + descendants_cpu(kid)
+    return total
+
+
+def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "service", *args], cwd=REPO, env=env, stdout=out, stderr=out,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+async def run_batch(
+    http: httpx.AsyncClient, bodies: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], float]:
+    start = time.perf_counter()
+    batches = []
+    for body in bodies:
+        answer = await http.post("/episodes", json=body)
+        answer.raise_for_status()
+        batches.append(answer.json()["batch_id"])
+    episodes: list[dict[str, Any]] = []
+    for batch_id in batches:
+        while True:
+            batch = (await http.get(f"/batches/{batch_id}", params={"wait": 60})).json()
+            if batch["complete"]:
+                break
+        episodes.extend(batch["episodes"])
+    return episodes, time.perf_counter() - start
+
+
+async def measure(url: str, service_pid: int, episodes: int) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        listing = []
+        for _ in range(200):
+            start = time.perf_counter()
+            answer = await http.get("/envs")
+            listing.append(time.perf_counter() - start)
+            answer.raise_for_status()
+        names = [env["name"] for env in answer.json()]
+
+        # Warm both paths (verifiers builds its harness program's environment once).
+        await run_batch(http, [{"env": "verifiers/vf_arithmetic", "task_indices": [0], "max_turns": 4}])
+        await run_batch(
+            http, [{"env": "builtin/shop", "task_split": "train", "task_indices": [0], "max_turns": 4}]
+        )
+
+        # The service's CPU at rest (heartbeats, sweeps), taken out of both phases' figures.
+        before, rest_start = cpu_seconds_of(service_pid), time.perf_counter()
+        await asyncio.sleep(10)
+        idle_rate = (cpu_seconds_of(service_pid) - before) / (time.perf_counter() - rest_start)
+
+        before = cpu_seconds_of(service_pid)
+        loop_body = {"env": "builtin/shop", "task_split": "train", "max_turns": 10}
+        loop_episodes, loop_seconds = await run_batch(
+            http, [loop_body | {"task_indices": list(range(episodes)), "samples_per_task": 1}]
+        )
+        loop_cpu = cpu_seconds_of(service_pid) - before
+        loop_turns = sum(e["num_turns"] for e in loop_episodes)
+
+        before, before_children = cpu_seconds_of(service_pid), descendants_cpu(service_pid)
+        half = episodes // 2
+        vf_bodies = [
+            {"env": "verifiers/vf_arithmetic", "task_indices": list(range(20))[: max(1, min(20, half))],
+             "samples_per_task": max(1, half // 20 or 1), "max_turns": 4},
+            {"env": "verifiers/vf_files", "task_split": "train", "task_indices": [0, 1, 2, 3],
+             "samples_per_task": max(1, (episodes - half) // 4), "max_turns": 6},
+        ]  # fmt: skip
+        vf_episodes, vf_seconds = await run_batch(http, vf_bodies)
+        vf_cpu = cpu_seconds_of(service_pid) - before
+        vf_children_cpu = descendants_cpu(service_pid) - before_children
+        vf_calls = sum(e["num_turns"] for e in vf_episodes)
+    loop_per_turn = (loop_cpu - idle_rate * loop_seconds) / max(loop_turns, 1) * 1000
+    vf_per_call = (vf_cpu - idle_rate * vf_seconds) / max(vf_calls, 1) * 1000
+    return {
+        "envs_listed": len(names),
+        "verifiers_envs_listed": sorted(n for n in names if n.startswith("verifiers/")),
+        "get_envs": percentiles_ms(listing),
+        "service_cpu_at_rest_ms_per_s": round(idle_rate * 1000, 2),
+        "loop": {
+            "episodes": len(loop_episodes),
+            "turns": loop_turns,
+            "seconds": round(loop_seconds, 2),
+            "statuses": sorted({e["status"] for e in loop_episodes}),
+            "service_cpu_ms_per_turn": round(loop_per_turn, 3),  # at rest's share taken out
+            "service_cpu_ms_per_turn_raw": round(loop_cpu / max(loop_turns, 1) * 1000, 3),
+        },
+        "verifiers": {
+            "episodes": len(vf_episodes),
+            "model_calls": vf_calls,
+            "seconds": round(vf_seconds, 2),
+            "statuses": {
+                s: sum(1 for e in vf_episodes if e["status"] == s) for s in {e["status"] for e in vf_episodes}
+            },
+            "rewards": sorted({e["reward"] for e in vf_episodes}, key=str),
+            "service_cpu_ms_per_call": round(vf_per_call, 3),  # at rest's share taken out
+            "service_cpu_ms_per_call_raw": round(vf_cpu / max(vf_calls, 1) * 1000, 3),
+            "env_workers_live_cpu_ms_per_call": round(vf_children_cpu / max(vf_calls, 1) * 1000, 3),
+        },
+        "ratio_call_to_loop_turn": round(vf_per_call / loop_per_turn, 3) if loop_per_turn else None,
+    }
+
+
+def startup_cost() -> dict[str, Any]:
+    """What listing the verifiers envs adds to start-up: the registry with and without their plugin
+    loader, each in a fresh interpreter, and whether verifiers got imported."""
+    code = (
+        "import sys, time; sys.path[:0] = [{repo!r}, {tasksets!r}]; "
+        "from service.envs.registry import available_envs; t = time.perf_counter(); "
+        "envs = available_envs({loaders!r}); print(time.perf_counter() - t, len(envs), "
+        "'verifiers' in sys.modules)"
+    )
+    out = {}
+    for label, loaders in (("without", []), ("with_verifiers", ["vf_plugins:env_specs"])):
+        runs = []
+        for _ in range(3):
+            line = subprocess.run(
+                [sys.executable, "-c", code.format(repo=str(REPO), tasksets=str(TASKSETS), loaders=loaders)],
+                capture_output=True, text=True, check=True, cwd=REPO,
+            ).stdout.split()  # fmt: skip
+            runs.append(float(line[0]))
+        out[label] = {
+            "ms": round(min(runs) * 1000, 2),
+            "envs": int(line[1]),
+            "imports_verifiers": line[2] == "True",
+        }
+    out["added_ms"] = round(out["with_verifiers"]["ms"] - out["without"]["ms"], 2)
+    return out
+
+
+def main() -> None:
+    if importlib.util.find_spec("verifiers") is None:  # `make bench` runs every bench in .venv
+        print(json.dumps({"goal": GOAL, "skipped": "verifiers is not installed: run it in .venv-verifiers"}))
+        return
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument("--latency", type=float, default=0.05)
+    args = parser.parse_args()
+    with (
+        tempfile.TemporaryDirectory() as tmp_name,
+        fresh_database(args.database, Path(tmp_name), migrate=True) as db,
+    ):
+        tmp = Path(tmp_name)
+        env = {
+            **os.environ,
+            "LOG_LEVEL": "WARNING",
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(TASKSETS)]),
+        }
+        sim_port, port = free_port(), free_port()
+        sim_args = ["sim-worker", "--port", str(sim_port), "--latency", str(args.latency)]
+        sim = spawn([*sim_args, "--policy", "vf_policy:policy"], env, tmp / "sim.log")
+        service = None
+        try:
+            wait_healthy(f"http://127.0.0.1:{sim_port}", sim, tmp / "sim.log")
+            url = f"http://127.0.0.1:{port}"
+            service_env = env | {
+                "DATABASE_URL": db,
+                "SGLANG_URL": f"http://127.0.0.1:{sim_port}",
+                "ENV_PLUGINS": "vf_plugins:env_specs",
+                "SERVICE_URL": url,
+            }
+            service = spawn(["serve", "--port", str(port)], service_env, tmp / "service.log")
+            wait_healthy(url, service, tmp / "service.log")
+            result = asyncio.run(measure(url, service.pid, args.episodes))
+        finally:
+            if service is not None:
+                stop(service)
+            stop(sim)
+    result = {"goal": GOAL, "database": args.database, "in_flight": args.episodes, **result,
+              "startup": startup_cost()}  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -31,7 +31,8 @@ from service.agents.streaming import GONE, AnswerStream, TextDeltas
 from service.engine.client import EngineError, EngineRequestError, Generation, OnTokens
 from service.loop.runner import Engine, sample_turn
 from service.loop.tokens import ChatTokenizer, Trajectory
-from service.loop.toolcalls import ToolCallParseError, ToolCallParser, strip_reasoning
+from service.loop.toolcalls import ToolCallParseError, ToolCallParser
+from service.loop.transcript import call_id, split_reasoning
 from service.records import DEFAULT_MAX_NEW_TOKENS, EpisodeTokens, TurnRecord, attempt_rid_prefix
 
 
@@ -207,7 +208,7 @@ class AgentTurns:
         records[-1].actions = actions if len(actions) > 1 else None
         segment.tokens = trajectory.tokens()
         segment.turns += [record.to_json() for record in records]
-        segment.messages.append(answer.message)
+        segment.messages.append(answer.message | {"sampled": answer.sampled})  # loop/transcript.py's shape
         return AnsweredCall(answer, segment, closed)
 
     def _answer(
@@ -219,13 +220,12 @@ class AgentTurns:
         prompt_tokens: int,
     ) -> Answer:
         """The sampled ids as an answer: visible text, reasoning, tool calls, finish reason."""
-        text = self.chat.sampled_text(sampled)
+        text = sampled_text = self.chat.sampled_text(sampled)
         matched = generation.finish_reason.get("matched")  # SGLang's: a stop string, or a stop token's id
         stop_sequence = matched if isinstance(matched, str) else None
         if stop_sequence and stop_sequence in text:  # the text ends before it, as OpenAI's and Anthropic's
             text = text[: text.index(stop_sequence)]
-        visible = strip_reasoning(text)
-        reasoning = text[: len(text) - len(visible)].replace("<think>", "").replace("</think>", "").strip()
+        reasoning, visible = split_reasoning(text)
         try:
             parsed = self.parser(visible, tools)
         except ToolCallParseError:
@@ -235,10 +235,11 @@ class AgentTurns:
                 content=parsed.content.strip() or None,
                 reasoning=reasoning or None,
                 tool_calls=[
-                    ToolCall(id=f"call_{call}_{index}", name=action.name, arguments=action.kwargs)
+                    ToolCall(id=call_id(call, index), name=action.name, arguments=action.kwargs)
                     for index, action in enumerate(parsed.actions)
                 ],
                 finish_reason="tool_calls",
+                sampled=sampled_text,
                 call=call,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=len(sampled),
@@ -248,6 +249,7 @@ class AgentTurns:
             reasoning=reasoning or None,
             finish_reason="length" if generation.finish_type == "length" else "stop",
             stop_sequence=stop_sequence,
+            sampled=sampled_text,
             call=call,
             prompt_tokens=prompt_tokens,
             completion_tokens=len(sampled),

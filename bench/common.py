@@ -85,13 +85,14 @@ def stop(process: subprocess.Popen[bytes]) -> int:
 
 
 @contextmanager
-def sim_worker(latency: float, log_dir: Path) -> Iterator[tuple[str, int]]:
-    """`python -m service sim-worker` in its own process: its URL and pid."""
+def sim_worker(latency: float, log_dir: Path, options: tuple[str, ...] = ()) -> Iterator[tuple[str, int]]:
+    """`python -m service sim-worker` in its own process (with more `options`): its URL and pid."""
     port = free_port()
     log = log_dir / f"sim-{port}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "service", "sim-worker", "--port", str(port), "--latency", str(latency)],
+            [sys.executable, "-m", "service", "sim-worker", "--port", str(port), "--latency", str(latency),
+             *options],
             cwd=REPO, env={**os.environ, "LOG_LEVEL": "WARNING"}, stdout=out, stderr=out,
             start_new_session=True,
         )  # fmt: skip

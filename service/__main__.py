@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--port", type=int, default=30000)
     sim.add_argument("--latency", type=float, default=0.02, help="Seconds per request.")
     sim.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the test tokenizer).")
+    sim.add_argument("--per-token-latency", type=float, default=0.0, help="Seconds per sampled token.")
+    sim.add_argument(
+        "--stream-interval", type=int, default=8, help="Tokens per streamed frame (after the first)."
+    )
     sim.add_argument(
         "--policy",
         default=None,
@@ -161,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         from service.sim.worker import main as sim_main
 
         # Its request log is for tests that hold the worker in-process; a served one keeps a little.
-        sim_config = SimConfig(latency_seconds=args.latency, request_log_limit=SIM_CLI_REQUEST_LOG)
+        sim_config = SimConfig(
+            latency_seconds=args.latency,
+            request_log_limit=SIM_CLI_REQUEST_LOG,
+            per_token_latency_seconds=args.per_token_latency,
+            stream_interval=args.stream_interval,
+        )
         if args.tokenizer:
             sim_config = replace(sim_config, tokenizer_path=args.tokenizer)
         if args.policy:

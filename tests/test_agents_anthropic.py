@@ -12,10 +12,10 @@ import anthropic
 import httpx
 import pytest
 
-from service.agents.anthropic_messages import message_body, message_events
+from service.agents.anthropic_messages import MessageEvents, message_body
 from service.agents.conversation import Answer
 from service.sim.worker import SimWorker
-from tests.support.agents import ANSWER, QUESTION, SYSTEM, TOOLS, finish, open_episodes
+from tests.support.agents import ANSWER, QUESTION, SYSTEM, TOOLS, finish, open_episodes, replayed
 from tests.support.contract import assert_tokens_match_calls, sim_calls
 from tests.support.tokenizer import load_test_tokenizer
 
@@ -174,7 +174,8 @@ def test_a_matched_stop_sequence_and_its_stream() -> None:
     body = message_body(answer, "policy")
     assert body["stop_reason"] == "stop_sequence" and body["stop_sequence"] == "\n\n"
     assert [block["type"] for block in body["content"]] == ["thinking", "text"]
-    events = message_events(answer, "policy")
+    events = replayed(MessageEvents("policy"), answer, prompt_tokens=9)
+    assert events[0][1]["message"]["usage"]["input_tokens"] == 9
     assert [name for name, _ in events] == [
         "message_start",
         "content_block_start",

@@ -14,9 +14,9 @@ import pytest
 from agents import Agent, OpenAIResponsesModel, RunConfig, Runner, function_tool
 
 from service.agents.conversation import Answer, ToolCall
-from service.agents.openai_responses import ResponsesRequest, response_body, response_events
+from service.agents.openai_responses import ResponseEvents, ResponsesRequest, response_body
 from service.sim.worker import SimWorker
-from tests.support.agents import ANSWER, QUESTION, SYSTEM, TOOLS, finish, open_episodes
+from tests.support.agents import ANSWER, QUESTION, SYSTEM, TOOLS, finish, open_episodes, replayed
 from tests.support.contract import assert_tokens_match_calls, sim_calls
 from tests.support.tokenizer import load_test_tokenizer
 
@@ -175,5 +175,8 @@ def test_a_cut_answers_stream_ends_incomplete() -> None:
         "message",
         "function_call",
     ]
-    events = response_events(body)
+    events = [data for _, data in replayed(ResponseEvents(ResponsesRequest(input="Hi"), "e", 0), answer)]
     assert events[-1]["type"] == "response.incomplete" and events[-1]["sequence_number"] == len(events) - 1
+    assert events[-1]["response"]["output"] == body["output"]
+    done = [event["item"] for event in events if event["type"] == "response.output_item.done"]
+    assert done == body["output"]  # each item as streamed is the one the response carries

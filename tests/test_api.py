@@ -84,8 +84,8 @@ async def test_submit_run_and_pull_exact_tokens(
         assert text.startswith(
             chat.render(episode["messages"][:2], tools=[{}], add_generation_prompt=True)[:20]
         )
-        for message in episode["messages"]:
-            assert message["content"] in text
+        for message in episode["messages"]:  # an assistant's as sampled (its calls parsed beside)
+            assert message["sampled" if message["role"] == "assistant" else "content"] in text
         assert "task" in episode["info"]  # ground truth, for the trainer
         assert episode["info"]["task"]["instruction"] == episode["messages"][1]["content"]
         assert episode["messages"][0]["content"] not in str(episode["info"]["task"]["actions"])

@@ -224,11 +224,15 @@ def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
         if message["role"] != "assistant" or index + 1 == len(result.messages):
             continue
         try:
-            calls = get_parser("qwen25")(message["content"]).calls
+            calls = get_parser("qwen25")(message["sampled"]).calls
+            assert len(message.get("tool_calls") or ()) == calls  # parsed into the transcript
         except ToolCallParseError:
             continue
         answers = list(takewhile(lambda m: m["role"] == "tool", result.messages[index + 1 :]))
         assert [a["name"] for a in answers] == ["lookup"] * len(answers)
+        assert [a["tool_call_id"] for a in answers] == [c["id"] for c in message.get("tool_calls", [])][
+            : len(answers)
+        ]
         last_turn = index + 1 + len(answers) == len(result.messages)
         assert len(answers) == calls or (last_turn and result.status is EpisodeStatus.COMPLETED)
     # 4. P + R is the transcript as the model is fed it: one full render of the messages, and the
@@ -237,7 +241,15 @@ def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
     ends_on_assistant = result.messages[-1]["role"] == "assistant"
     if ends_on_assistant and engine.variant.rewrites_last_assistant:
         return  # a re-render adds a think block the model never saw; the stored ids are right
-    expected = chat.render(result.messages, tools=[TOOL_SCHEMA], add_generation_prompt=not ends_on_assistant)
+    # The transcript as the model was fed it: each assistant turn as sampled, each tool result as
+    # the loop renders it (README: "messages_json").
+    fed = [
+        {"role": "assistant", "content": m["sampled"]}
+        if m["role"] == "assistant"
+        else {key: m[key] for key in ("role", "name", "content") if key in m}
+        for m in result.messages
+    ]
+    expected = chat.render(fed, tools=[TOOL_SCHEMA], add_generation_prompt=not ends_on_assistant)
     assert chat.decode(result.tokens.prompt_ids + result.tokens.response_ids) == expected
 
 

@@ -91,6 +91,16 @@ async def test_every_page_loads_and_links_to_the_next(client: httpx.AsyncClient,
     # The env's info (builtin/shop's reward breakdown) has a panel of its own, not only the raw JSON.
     panel = await page.locator("#info-panel").inner_text()
     assert "reward_info" in panel and "database_matches_ground_truth" in panel
+    # Every tool result is shown with its tool's name (the one its call names, in the transcript).
+    names = {
+        call["id"]: call["function"]["name"]
+        for message in episode["messages"]
+        for call in message.get("tool_calls") or ()
+    }
+    results = [message for message in episode["messages"] if message["role"] == "tool"]
+    assert results and all(names[message["tool_call_id"]] == message["name"] for message in results)
+    shown = await page.locator("#transcript .msg.tool .role").all_inner_texts()
+    assert [text.lower() for text in shown] == [f"tool {message['name']}".lower() for message in results]
     await screenshot(page, "episode-transcript")
 
     await page.locator("#tab-tokens").click()

@@ -5,8 +5,9 @@ recorded with the same exactness as the service's own loop.
     chat_completions.py  OpenAI Chat Completions: its request, response, stream and route
     anthropic_messages.py  Anthropic Messages (blocks, thinking, its events and error shape)
     openai_responses.py  OpenAI Responses (items, previous_response_id, its events)
-    deps.py              the HTTP edge: the episode a request opens (its token checked), and the
-                         one table of the domain's errors as HTTP errors
+    deps.py              the HTTP edge: the episode a request opens (its token checked), the
+                         one table of the domain's errors as HTTP errors, a streamed answer
+    streaming.py         a streamed call: sampled ids as the text to show so far, the agent leaving
     schemas.py           the bodies every protocol shares (finish)
     service.py           load, answer, store, the stale-cache retry; what this process holds
     session.py           one call answered and recorded exactly (engine, tokenizer, parser)

@@ -7,17 +7,24 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter
-from fastapi.responses import Response, StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.agents.conversation import Answer, ChatCall
-from service.agents.deps import EngineFailed, WaitingEpisode, http_errors, protocol_errors
+from service.agents.deps import (
+    SSE_MEDIA_TYPE,
+    EngineFailed,
+    WaitingEpisode,
+    http_errors,
+    protocol_errors,
+    streamed,
+)
 from service.agents.schemas import known_type
+from service.agents.streaming import AnswerStream, Kind
 from service.api.deps import ServicesDep
 from service.api.errors import (
     Conflict,
@@ -26,11 +33,11 @@ from service.api.errors import (
     InvalidRequest,
     NotFound,
     ServiceError,
+    error_body,
     responses,
 )
 from service.api.values import Text, storable_json
 
-SSE_MEDIA_TYPE = "text/event-stream"
 # What the agent gets back as a thinking block's signature: Anthropic's is a proof of its own
 # reasoning; here the block is accepted back as it is, whatever it carries.
 THINKING_SIGNATURE = "rollout-service"
@@ -308,50 +315,89 @@ def message_body(answer: Answer, model: str, content: list[dict[str, Any]] | Non
     }
 
 
-def _delta(block: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A content block as it starts (empty) and the deltas that fill it."""
-    kind = block["type"]
-    if kind == "thinking":
-        deltas = [
-            {"type": "thinking_delta", "thinking": block["thinking"]},
-            {"type": "signature_delta", "signature": block["signature"]},
-        ]
-        return {**block, "thinking": "", "signature": ""}, deltas
-    if kind == "text":
-        return {**block, "text": ""}, [{"type": "text_delta", "text": block["text"]}]
-    return {**block, "input": {}}, [{"type": "input_json_delta", "partial_json": json.dumps(block["input"])}]
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-def message_events(answer: Answer, model: str) -> list[tuple[str, dict[str, Any]]]:
-    """The answer as Anthropic streams one: message_start, each content block's start, deltas and
-    stop, message_delta (the stop reason and the output tokens), message_stop."""
-    start = message_body(answer, model, content=[]) | {"stop_reason": None, "stop_sequence": None}
-    start["usage"] = _usage(answer, 0)
-    events: list[tuple[str, dict[str, Any]]] = [
-        ("message_start", {"type": "message_start", "message": start})
-    ]
-    for index, block in enumerate(content_blocks(answer)):
-        empty, deltas = _delta(block)
-        events.append(
-            ("content_block_start", {"type": "content_block_start", "index": index, "content_block": empty})
-        )
-        events += [
-            ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
-            for delta in deltas
-        ]
-        events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
-    events.append(
-        (
-            "message_delta",
-            {
-                "type": "message_delta",
-                "delta": {"stop_reason": stop_reason(answer), "stop_sequence": answer.stop_sequence},
-                "usage": {"output_tokens": answer.completion_tokens},
+class MessageEvents:
+    """The answer as Anthropic streams one (StreamEvents): message_start; a thinking block and a
+    text block as sampled (each block's start, deltas and stop); each tool_use block whole;
+    message_delta (the stop reason and the usage); message_stop."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.index = -1  # of the block open or last closed
+        self.open: str | None = None  # the open block's type
+
+    def start(self, stream: AnswerStream) -> list[bytes]:
+        message: dict[str, Any] = {
+            "id": f"msg_{uuid.uuid4().hex}",
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": stream.prompt_tokens,
+                "output_tokens": 0,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
             },
+        }
+        return [_event("message_start", {"type": "message_start", "message": message})]
+
+    def _open(self, block: dict[str, Any]) -> list[bytes]:
+        events = self._close()
+        self.index += 1
+        self.open = block["type"]
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return [*events, _event("content_block_start", start)]
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        events = []
+        if self.open == "thinking":
+            events.append(self._block_delta({"type": "signature_delta", "signature": THINKING_SIGNATURE}))
+        self.open = None
+        return [*events, _event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _block_delta(self, delta: dict[str, Any]) -> bytes:
+        return _event(
+            "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
         )
-    )
-    events.append(("message_stop", {"type": "message_stop"}))
-    return events
+
+    def delta(self, kind: Kind, text: str) -> list[bytes]:
+        if kind == "reasoning":
+            if self.open == "text":
+                return []  # the text has begun: never reopened (see streaming.py)
+            opened = (
+                []
+                if self.open == "thinking"
+                else self._open({"type": "thinking", "thinking": "", "signature": ""})
+            )
+            return [*opened, self._block_delta({"type": "thinking_delta", "thinking": text})]
+        opened = [] if self.open == "text" else self._open({"type": "text", "text": ""})
+        return [*opened, self._block_delta({"type": "text_delta", "text": text})]
+
+    def end(self, answer: Answer) -> list[bytes]:
+        events = self._close()
+        for call in answer.tool_calls:
+            events += self._open({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            events.append(
+                self._block_delta({"type": "input_json_delta", "partial_json": json.dumps(call.arguments)})
+            )
+            events += self._close()
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason(answer), "stop_sequence": answer.stop_sequence},
+            "usage": {"output_tokens": answer.completion_tokens},
+        }
+        return [*events, _event("message_delta", delta), _event("message_stop", {"type": "message_stop"})]
+
+    def error(self, error: ServiceError) -> list[bytes]:
+        return [_event("error", messages_error(error, error_body(error)))]
 
 
 @router.post(
@@ -366,23 +412,16 @@ def message_events(answer: Answer, model: str) -> list[tuple[str, dict[str, Any]
     },
 )
 @router.post("/v1/episodes/{episode_id}/v1/messages", include_in_schema=False)  # the SDK's base-URL form
-async def messages(body: MessagesRequest, services: ServicesDep, episode: WaitingEpisode) -> Response:
+async def messages(
+    body: MessagesRequest, request: Request, services: ServicesDep, episode: WaitingEpisode
+) -> Response:
     """Anthropic's Messages API for one episode's agent (its SDK's `base_url` is the episode's
     `base_url`): its messages become token ids, SGLang samples, and the call is recorded exactly, as
     chat completions' are. Every error answers in Anthropic's shape too: ErrorBody's `detail` and
     `errors`, with `type: "error"` and `error: {type, message}` (e.g. `not_found_error`) beside them."""
     call = body.call()
+    if body.stream:
+        return await streamed(request, services, episode, call, MessageEvents(body.model))
     with http_errors:
         answer = await services.agents.complete(episode, call)
-    if not body.stream:
-        return Response(orjson.dumps(message_body(answer, body.model)), media_type="application/json")
-    events = [
-        b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-        for name, data in message_events(answer, body.model)
-    ]
-
-    async def stream() -> AsyncIterator[bytes]:
-        for event in events:
-            yield event
-
-    return StreamingResponse(stream(), media_type=SSE_MEDIA_TYPE, headers={"Cache-Control": "no-cache"})
+    return Response(orjson.dumps(message_body(answer, body.model)), media_type="application/json")

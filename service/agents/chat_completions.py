@@ -6,22 +6,37 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter
-from fastapi.responses import Response, StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from service.agents.conversation import Answer, ChatCall
-from service.agents.deps import EngineFailed, WaitingEpisode, http_errors, openai_error, protocol_errors
+from service.agents.deps import (
+    SSE_MEDIA_TYPE,
+    EngineFailed,
+    WaitingEpisode,
+    http_errors,
+    openai_error,
+    protocol_errors,
+    streamed,
+)
+from service.agents.streaming import AnswerStream, Kind
 from service.api.deps import ServicesDep
-from service.api.errors import Conflict, DatabaseUnavailable, InvalidRequest, NotFound, responses
+from service.api.errors import (
+    Conflict,
+    DatabaseUnavailable,
+    InvalidRequest,
+    NotFound,
+    ServiceError,
+    error_body,
+    responses,
+)
 from service.api.values import Text, storable_json
 
 router = APIRouter(route_class=protocol_errors(openai_error))  # tagged by routes.py
-SSE_MEDIA_TYPE = "text/event-stream"
 
 # The agent's sampling parameters that map onto SGLang's; the trainer's (POST /episodes) win.
 OPENAI_TO_SGLANG = {
@@ -100,34 +115,46 @@ def _usage(answer: Answer) -> dict[str, int]:
     }
 
 
-def completion_chunks(answer: Answer, model: str, include_usage: bool) -> list[dict[str, Any]]:
-    """The answer as OpenAI streams one: the role, the content, each tool call, the finish reason,
-    and (with stream_options.include_usage) a last chunk with the usage and no choices."""
-    head = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-    }
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        return {
-            **head,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+
+class CompletionChunks:
+    """The answer as OpenAI streams one (StreamEvents): the role, the reasoning and content as
+    sampled, each tool call, the finish reason, and (with stream_options.include_usage) a last
+    chunk with the usage and no choices."""
+
+    def __init__(self, model: str, include_usage: bool) -> None:
+        self.include_usage = include_usage
+        self.head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
         }
 
-    message = answer.message
-    chunks = [chunk({"role": "assistant", "content": ""})]
-    if message.get("reasoning_content"):
-        chunks.append(chunk({"reasoning_content": message["reasoning_content"]}))
-    if message.get("content"):
-        chunks.append(chunk({"content": message["content"]}))
-    for index, call in enumerate(message.get("tool_calls") or ()):
-        chunks.append(chunk({"tool_calls": [{"index": index, **call}]}))
-    chunks.append(chunk({}, answer.finish_reason))
-    if include_usage:
-        chunks.append({**head, "choices": [], "usage": _usage(answer)})
-    return chunks
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return _sse({**self.head, "choices": [choice]})
+
+    def start(self, stream: AnswerStream) -> list[bytes]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def delta(self, kind: Kind, text: str) -> list[bytes]:
+        return [self._chunk({"reasoning_content" if kind == "reasoning" else "content": text})]
+
+    def end(self, answer: Answer) -> list[bytes]:
+        chunks = [
+            self._chunk({"tool_calls": [{"index": index, **call}]})
+            for index, call in enumerate(answer.message.get("tool_calls") or ())
+        ]
+        chunks.append(self._chunk({}, answer.finish_reason))
+        if self.include_usage:
+            chunks.append(_sse({**self.head, "choices": [], "usage": _usage(answer)}))
+        return [*chunks, b"data: [DONE]\n\n"]
+
+    def error(self, error: ServiceError) -> list[bytes]:
+        return [_sse(openai_error(error, error_body(error))), b"data: [DONE]\n\n"]
 
 
 @router.post(
@@ -142,25 +169,15 @@ def completion_chunks(answer: Answer, model: str, include_usage: bool) -> list[d
     },
 )
 async def chat_completions(
-    body: ChatCompletionRequest, services: ServicesDep, episode: WaitingEpisode
+    body: ChatCompletionRequest, request: Request, services: ServicesDep, episode: WaitingEpisode
 ) -> Response:
     """The OpenAI chat completions API for one episode's agent: its messages become token ids,
     SGLang samples, and the call is recorded exactly (sampled ids mask 1 with their logprobs,
     everything else mask 0) before the answer goes out."""
     call = body.call()
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return await streamed(request, services, episode, call, CompletionChunks(body.model, include_usage))
     with http_errors:
         answer = await services.agents.complete(episode, call)
-    if not body.stream:
-        return Response(orjson.dumps(completion_body(answer, body.model)), media_type="application/json")
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    events = [
-        b"data: " + orjson.dumps(chunk) + b"\n\n"
-        for chunk in completion_chunks(answer, body.model, include_usage)
-    ]
-    events.append(b"data: [DONE]\n\n")
-
-    async def stream() -> AsyncIterator[bytes]:
-        for event in events:
-            yield event
-
-    return StreamingResponse(stream(), media_type=SSE_MEDIA_TYPE, headers={"Cache-Control": "no-cache"})
+    return Response(orjson.dumps(completion_body(answer, body.model)), media_type="application/json")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from service.agents.repository import Segment
+from service.loop.transcript import tool_call
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -47,23 +48,19 @@ class Answer:
     finish_reason: FinishReason = "stop"
     call: int = 0  # the episode's call this answers (0, 1, ...)
     stop_sequence: str | None = None  # the agent's stop string that ended the answer, if one did
+    sampled: str = ""  # the text as the model sampled it (the transcript keeps it)
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
     @property
     def message(self) -> dict[str, Any]:
-        """The answer as the conversation records it (a chat message)."""
+        """The answer as a chat message (the transcript adds `sampled`: loop/transcript.py)."""
         message: dict[str, Any] = {"role": "assistant", "content": self.content}
         if self.reasoning:
             message["reasoning_content"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
-                }
-                for call in self.tool_calls
+                tool_call(call.id, call.name, call.arguments) for call in self.tool_calls
             ]
         return message
 

@@ -1,16 +1,20 @@
 """The HTTP edge of external agents' endpoints: the episode a request opens (its agent's token
-checked), and the one table of the domain's errors as HTTP errors."""
+checked), the one table of the domain's errors as HTTP errors, and an answer streamed as it is
+sampled (each protocol gives its events)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine
 from types import TracebackType
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, Header, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
+from service.agents.conversation import Answer, ChatCall
 from service.agents.errors import (
     AgentError,
     EngineRefused,
@@ -20,6 +24,7 @@ from service.agents.errors import (
     UnknownResponse,
 )
 from service.agents.repository import AgentEpisode
+from service.agents.streaming import AnswerStream, Delta, Kind
 from service.api.auth import bearer_key, is_one_of
 from service.api.deps import ServicesDep
 from service.api.episodes import EpisodeId
@@ -34,6 +39,9 @@ from service.api.errors import (
     error_body,
     error_headers,
 )
+
+logger = logging.getLogger(__name__)
+SSE_MEDIA_TYPE = "text/event-stream"
 
 
 class EngineFailed(ServiceError):
@@ -129,3 +137,93 @@ def openai_error(error: ServiceError, body: ErrorBody) -> dict[str, Any]:
     kind = "invalid_request_error" if error.status_code < 500 else "server_error"
     param = ".".join(str(part) for part in body.errors[0].loc[1:]) if body.errors else None
     return {"error": {"message": body.detail, "type": kind, "param": param or None, "code": None}}
+
+
+class StreamEvents(Protocol):
+    """A protocol's server-sent events for an answer streamed as it is sampled."""
+
+    def start(self, stream: AnswerStream) -> list[bytes]:
+        """What opens the stream (sent with the first text, or the whole answer)."""
+
+    def delta(self, kind: Kind, text: str) -> list[bytes]:
+        """The next piece of reasoning or visible text."""
+
+    def end(self, answer: Answer) -> list[bytes]:
+        """What closes the stream: the tool calls, the finish reason, the usage."""
+
+    def error(self, error: ServiceError) -> list[bytes]:
+        """A failure after the stream began (before, it is an HTTP error)."""
+
+
+_answering: set[asyncio.Task[Answer]] = set()  # streamed calls still answering (their agent may be gone)
+
+
+async def streamed(
+    request: Request, services: ServicesDep, episode: AgentEpisode, call: ChatCall, events: StreamEvents
+) -> StreamingResponse:
+    """The call answered as a stream of `events` as the engine samples it. The answer is recorded
+    as a non-streamed one would be; a failure before the first text is an HTTP error; an agent
+    that goes away mid-stream aborts the generation, and what was sampled is the call's answer."""
+    stream = AnswerStream()
+    answering = asyncio.get_running_loop().create_task(services.agents.complete(episode, call, stream))
+    _answering.add(answering)
+    answering.add_done_callback(_answered)
+    first = asyncio.ensure_future(stream.queue.get())
+    await asyncio.wait({answering, first}, return_when=asyncio.FIRST_COMPLETED)
+    if not first.done():
+        first.cancel()
+        with http_errors:
+            answering.result()  # raises the call's failure as an HTTP error
+    opening = first.result() if first.done() and not first.cancelled() else []
+
+    async def body() -> AsyncIterator[bytes]:
+        finished = False
+        gone = asyncio.ensure_future(_disconnected(request))
+        following: asyncio.Future[list[Delta]] | None = None
+        try:
+            yield b"".join([*events.start(stream), *_deltas(events, opening)])
+            while not answering.done():
+                following = asyncio.ensure_future(stream.queue.get())
+                await asyncio.wait({answering, following, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if gone.done():
+                    return
+                if following.done():
+                    yield b"".join(_deltas(events, following.result()))
+                following.cancel()
+            shown: list[Delta] = []
+            while not stream.queue.empty():
+                shown += stream.queue.get_nowait()
+            try:
+                with http_errors:
+                    answer = answering.result()
+            except ServiceError as error:
+                yield b"".join([*_deltas(events, shown), *events.error(error)])
+            else:
+                assert stream.deltas is not None
+                shown += stream.deltas.rest(answer)
+                yield b"".join([*_deltas(events, shown), *events.end(answer)])
+            finished = True
+        finally:
+            gone.cancel()
+            if following is not None:
+                following.cancel()
+            if not finished:
+                stream.leave()
+
+    return StreamingResponse(body(), media_type=SSE_MEDIA_TYPE, headers={"Cache-Control": "no-cache"})
+
+
+def _deltas(events: StreamEvents, shown: list[Delta]) -> list[bytes]:
+    return [event for kind, text in shown for event in events.delta(kind, text)]
+
+
+def _answered(task: asyncio.Task[Answer]) -> None:
+    _answering.discard(task)
+    if not task.cancelled() and (error := task.exception()) is not None and not isinstance(error, AgentError):
+        logger.error("a streamed call failed", exc_info=error)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the agent's connection closes (its body was read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

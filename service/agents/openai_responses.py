@@ -6,23 +6,38 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter
-from fastapi.responses import Response, StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.agents.conversation import Answer, ChatCall
-from service.agents.deps import EngineFailed, WaitingEpisode, http_errors, openai_error, protocol_errors
+from service.agents.deps import (
+    SSE_MEDIA_TYPE,
+    EngineFailed,
+    WaitingEpisode,
+    http_errors,
+    openai_error,
+    protocol_errors,
+    streamed,
+)
 from service.agents.schemas import known_type
+from service.agents.streaming import AnswerStream, Kind
 from service.api.deps import ServicesDep
-from service.api.errors import Conflict, DatabaseUnavailable, InvalidRequest, NotFound, responses
+from service.api.errors import (
+    Conflict,
+    DatabaseUnavailable,
+    InvalidRequest,
+    NotFound,
+    ServiceError,
+    error_body,
+    responses,
+)
 from service.api.values import Text, storable_json
 
 router = APIRouter(route_class=protocol_errors(openai_error))  # tagged by routes.py
-SSE_MEDIA_TYPE = "text/event-stream"
 _ITEM = ConfigDict(extra="ignore")  # ids, statuses, annotations, ...: accepted, of no use here
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
@@ -317,73 +332,177 @@ def response_body(body: ResponsesRequest, answer: Answer, episode_id: str) -> di
     }
 
 
-def _item_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
-    """One output item as Responses streams it: added (empty), its deltas and dones, done."""
-    where = {"item_id": item["id"], "output_index": index}
-    kind = item["type"]
-    if kind == "reasoning":
-        text = item["content"][0]["text"]
-        empty = {**item, "content": [], "status": "in_progress"}
-        deltas = [
-            {"type": "response.reasoning_text.delta", **where, "content_index": 0, "delta": text},
-            {"type": "response.reasoning_text.done", **where, "content_index": 0, "text": text},
-        ]
-    elif kind == "message":
-        part = item["content"][0]
-        empty = {**item, "content": [], "status": "in_progress"}
-        deltas = [
-            {
-                "type": "response.content_part.added",
-                **where,
-                "content_index": 0,
-                "part": {**part, "text": ""},
-            },
-            {
-                "type": "response.output_text.delta",
-                **where,
-                "content_index": 0,
-                "delta": part["text"],
-                "logprobs": [],
-            },
-            {
-                "type": "response.output_text.done",
-                **where,
-                "content_index": 0,
-                "text": part["text"],
-                "logprobs": [],
-            },
-            {"type": "response.content_part.done", **where, "content_index": 0, "part": part},
-        ]
-    else:
-        empty = {**item, "arguments": "", "status": "in_progress"}
-        deltas = [
-            {"type": "response.function_call_arguments.delta", **where, "delta": item["arguments"]},
-            {
-                "type": "response.function_call_arguments.done",
-                **where,
-                "name": item["name"],
-                "arguments": item["arguments"],
-            },
-        ]
-    return [
-        {"type": "response.output_item.added", "output_index": index, "item": empty},
-        *deltas,
-        {"type": "response.output_item.done", "output_index": index, "item": item},
-    ]
+class ResponseEvents:
+    """The response as Responses streams one (StreamEvents): created and in progress; a
+    reasoning item and a message item as sampled (each added, its deltas, done); each function
+    call whole; then completed (or incomplete) with the whole response; each event numbered."""
 
+    def __init__(self, body: ResponsesRequest, episode_id: str, call: int) -> None:
+        self.body = body
+        self.episode_id = episode_id
+        self.response = f"{_response_prefix(episode_id)}{call}"  # the call it answers
+        self.number = -1
+        self.index = -1  # of the output item open or last done
+        self.open: dict[str, Any] | None = None  # the open item, its text so far in "text"
+        self.message_opened = False
 
-def response_events(response: dict[str, Any]) -> list[dict[str, Any]]:
-    """The response as Responses streams one: created, in progress, each output item, then
-    completed (or incomplete), each event numbered."""
-    started = {**response, "status": "in_progress", "incomplete_details": None, "output": [], "usage": None}
-    events = [
-        {"type": "response.created", "response": started},
-        {"type": "response.in_progress", "response": started},
-    ]
-    for index, item in enumerate(response["output"]):
-        events += _item_events(index, item)
-    events.append({"type": f"response.{response['status']}", "response": response})
-    return [{**event, "sequence_number": number} for number, event in enumerate(events)]
+    def _event(self, event: dict[str, Any]) -> bytes:
+        self.number += 1
+        event = {**event, "sequence_number": self.number}
+        return b"event: " + str(event["type"]).encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+    def start(self, stream: AnswerStream) -> list[bytes]:
+        started = {
+            "id": self.response,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "in_progress",
+            "model": self.body.model,
+            "output": [],
+        }
+        return [
+            self._event({"type": "response.created", "response": started}),
+            self._event({"type": "response.in_progress", "response": started}),
+        ]
+
+    def _message(self) -> dict[str, Any]:
+        self.message_opened = True
+        return {
+            "type": "message",
+            "id": f"msg_{self.response}",
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [],
+        }
+
+    def _where(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": self.index}
+
+    def _open(self, item: dict[str, Any]) -> list[bytes]:
+        events = self._close()
+        self.index += 1
+        self.open = {**item, "text": ""}
+        events.append(
+            self._event({"type": "response.output_item.added", "output_index": self.index, "item": item})
+        )
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events.append(
+                self._event(
+                    {"type": "response.content_part.added", **self._where(), "content_index": 0, "part": part}
+                )
+            )
+        return events
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        where, text, item = self._where(), self.open.pop("text"), self.open
+        self.open = None
+        if item["type"] == "reasoning":
+            done = {**item, "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+            events = [
+                self._event(
+                    {"type": "response.reasoning_text.done", **where, "content_index": 0, "text": text}
+                )
+            ]
+        else:
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            done = {**item, "content": [part], "status": "completed"}
+            events = [
+                self._event(
+                    {
+                        "type": "response.output_text.done",
+                        **where,
+                        "content_index": 0,
+                        "text": text,
+                        "logprobs": [],
+                    }
+                ),
+                self._event(
+                    {"type": "response.content_part.done", **where, "content_index": 0, "part": part}
+                ),
+            ]
+        return [
+            *events,
+            self._event(
+                {"type": "response.output_item.done", "output_index": where["output_index"], "item": done}
+            ),
+        ]
+
+    def delta(self, kind: Kind, text: str) -> list[bytes]:
+        if kind == "reasoning":
+            if self.open is not None and self.open["type"] == "message":
+                return []  # the message has begun: never reopened (see streaming.py)
+            opened = (
+                []
+                if self.open is not None
+                else self._open(
+                    {
+                        "type": "reasoning",
+                        "id": f"rs_{self.response}",
+                        "summary": [],
+                        "content": [],
+                        "status": "in_progress",
+                    }
+                )
+            )
+            kind_event = "response.reasoning_text.delta"
+        else:
+            opened = [] if self.message_opened and self.open is not None else self._open(self._message())
+            kind_event = "response.output_text.delta"
+        assert self.open is not None
+        self.open["text"] += text
+        extra: dict[str, Any] = {"logprobs": []} if kind == "content" else {}
+        return [
+            *opened,
+            self._event({"type": kind_event, **self._where(), "content_index": 0, "delta": text, **extra}),
+        ]
+
+    def end(self, answer: Answer) -> list[bytes]:
+        response = response_body(self.body, answer, self.episode_id)
+        events: list[bytes] = []
+        if any(item["type"] == "message" for item in response["output"]) and not self.message_opened:
+            events += self._open(self._message())
+        events += self._close()
+        for item in response["output"]:
+            if item["type"] == "function_call":
+                self.index += 1
+                where = {"item_id": item["id"], "output_index": self.index}
+                events += [
+                    self._event(
+                        {
+                            "type": "response.output_item.added",
+                            "output_index": self.index,
+                            "item": {**item, "arguments": "", "status": "in_progress"},
+                        }
+                    ),
+                    self._event(
+                        {
+                            "type": "response.function_call_arguments.delta",
+                            **where,
+                            "delta": item["arguments"],
+                        }
+                    ),
+                    self._event(
+                        {
+                            "type": "response.function_call_arguments.done",
+                            **where,
+                            "name": item["name"],
+                            "arguments": item["arguments"],
+                        }
+                    ),
+                    self._event(
+                        {"type": "response.output_item.done", "output_index": self.index, "item": item}
+                    ),
+                ]
+        return [*events, self._event({"type": f"response.{response['status']}", "response": response})]
+
+    def error(self, error: ServiceError) -> list[bytes]:
+        failed: dict[str, Any] = {"id": self.response, "object": "response", "status": "failed", "output": []}
+        failed["error"] = {"code": "server_error", "message": error_body(error).detail}
+        return [self._event({"type": "response.failed", "response": failed})]
 
 
 @router.post(
@@ -397,23 +516,19 @@ def response_events(response: dict[str, Any]) -> list[dict[str, Any]]:
         },
     },
 )
-async def create_response(body: ResponsesRequest, services: ServicesDep, episode: WaitingEpisode) -> Response:
+async def create_response(
+    body: ResponsesRequest, request: Request, services: ServicesDep, episode: WaitingEpisode
+) -> Response:
     """OpenAI's Responses API for one episode's agent (the OpenAI Agents SDK's default): its input
     becomes token ids, SGLang samples, and the call is recorded exactly, as chat completions' are.
     `previous_response_id` continues the episode's latest response; built-in tools are refused."""
     call = body.call(episode.episode_id)
+    if body.stream:
+        return await streamed(
+            request, services, episode, call, ResponseEvents(body, episode.episode_id, episode.calls)
+        )
     with http_errors:
         answer = await services.agents.complete(episode, call)
-    response = response_body(body, answer, episode.episode_id)
-    if not body.stream:
-        return Response(orjson.dumps(response), media_type="application/json")
-    events = [
-        b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
-        for event in response_events(response)
-    ]
-
-    async def stream() -> AsyncIterator[bytes]:
-        for event in events:
-            yield event
-
-    return StreamingResponse(stream(), media_type=SSE_MEDIA_TYPE, headers={"Cache-Control": "no-cache"})
+    return Response(
+        orjson.dumps(response_body(body, answer, episode.episode_id)), media_type="application/json"
+    )

@@ -23,6 +23,7 @@ from service.agents.repository import (
     store_call,
 )
 from service.agents.session import AgentTurns
+from service.agents.streaming import AnswerStream
 from service.records import EpisodeStatus
 from service.storage.db import Database
 
@@ -90,17 +91,19 @@ class AgentSessions:
         if not episode.waiting:
             raise EpisodeClosed(f"episode {episode.episode_id!r} is {episode.status}: it takes no more calls")
 
-    async def complete(self, episode: AgentEpisode, call: ChatCall) -> Answer:
+    async def complete(
+        self, episode: AgentEpisode, call: ChatCall, stream: AnswerStream | None = None
+    ) -> Answer:
         """Answers the call and stores it before returning the answer; raises EpisodeClosed when
         the episode ended or took another call meanwhile (nothing stored), or an error of
-        `AgentTurns.answer`."""
-        stored, answer = await self._answer_and_store(episode, call)
+        `AgentTurns.answer`. With `stream`, the answer streams there as it is sampled."""
+        stored, answer = await self._answer_and_store(episode, call, stream)
         if stored is None and episode.held:
             # What this process held was stale: read the episode and answer again.
             fresh = await load_agent_episode(self.database, episode.episode_id)
             if fresh is None or not fresh.waiting:
                 raise EpisodeClosed(f"episode {episode.episode_id!r} takes no more calls")
-            stored, answer = await self._answer_and_store(fresh, call)
+            stored, answer = await self._answer_and_store(fresh, call, stream)
         if stored is None:
             raise EpisodeClosed(
                 f"episode {episode.episode_id!r} ended or took another call meanwhile: "
@@ -109,10 +112,10 @@ class AgentSessions:
         return answer
 
     async def _answer_and_store(
-        self, episode: AgentEpisode, call: ChatCall
+        self, episode: AgentEpisode, call: ChatCall, stream: AnswerStream | None
     ) -> tuple[StoredCall | None, Answer]:
         """The stored state is None when the store's fence refused the call."""
-        answered = await (await self._turns()).answer(episode, call)
+        answered = await (await self._turns()).answer(episode, call, stream)
         stored = await store_call(
             self.database, episode, answered.segment, closed=answered.closed, idle_seconds=self.idle_seconds
         )

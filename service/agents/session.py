@@ -11,8 +11,10 @@ shares the episode. Never a mask on tokens the model did not sample.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from service.agents.conversation import (
     Answer,
@@ -25,10 +27,12 @@ from service.agents.conversation import (
 )
 from service.agents.errors import EngineRefused, EngineUnavailable, EpisodeClosed, UnknownResponse
 from service.agents.repository import AgentEpisode, Segment
-from service.engine.client import EngineError, EngineRequestError, Generation
+from service.agents.streaming import GONE, AnswerStream, TextDeltas
+from service.engine.client import EngineError, EngineRequestError, Generation, OnTokens
 from service.loop.runner import Engine, sample_turn
 from service.loop.tokens import ChatTokenizer, Trajectory
-from service.loop.toolcalls import ToolCallParseError, ToolCallParser, strip_reasoning
+from service.loop.toolcalls import ToolCallParseError, ToolCallParser
+from service.loop.transcript import call_id, split_reasoning
 from service.records import DEFAULT_MAX_NEW_TOKENS, EpisodeTokens, TurnRecord, attempt_rid_prefix
 
 
@@ -54,11 +58,68 @@ def _sampling(episode: AgentEpisode, call: ChatCall, response_so_far: int) -> di
     return params | {"max_new_tokens": max_new_tokens}
 
 
+class StreamingEngine(Engine, Protocol):
+    async def generate_streamed(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        on_tokens: OnTokens,
+        *,
+        input_ids_json: str | None = None,
+    ) -> Generation: ...
+
+
+class _Streamed:
+    """The engine as one streamed call uses it: every generation streams to `stream`; once the
+    agent left, the generation in flight is aborted and none is resumed (the abort is marked as
+    a refused request, HTTP 499 "client closed request", which sample_turn does not resume)."""
+
+    def __init__(self, engine: StreamingEngine, stream: AnswerStream) -> None:
+        self.engine = engine
+        self.stream = stream
+        self._rid: str | None = None
+        self._aborts: set[asyncio.Task[None]] = set()
+        stream.abort = self._abort_running
+
+    def _abort_running(self) -> None:
+        if self._rid is not None:
+            task = asyncio.get_running_loop().create_task(self.engine.abort(self._rid))
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        *,
+        input_ids_json: str | None = None,
+    ) -> Generation:
+        if self.stream.gone:
+            return Generation(
+                [], [], "abort", {"type": "abort", "message": GONE, "status_code": 499}, None, None, None, ""
+            )
+        self._rid = rid
+        try:
+            generation = await self.engine.generate_streamed(
+                input_ids, sampling_params, rid, self.stream.on_tokens, input_ids_json=input_ids_json
+            )
+        finally:
+            self._rid = None
+        if self.stream.gone and generation.finish_type == "abort":
+            return replace(generation, finish_reason={"type": "abort", "message": GONE, "status_code": 499})
+        return generation
+
+    async def abort(self, rid: str) -> None:
+        await self.engine.abort(rid)
+
+
 class AgentTurns:
     """Answers external agents' calls with the service's engine, tokenizer and tool-call parser."""
 
     def __init__(
-        self, engine: Engine, chat: ChatTokenizer, parser: ToolCallParser, *, max_turn_resumes: int
+        self, engine: StreamingEngine, chat: ChatTokenizer, parser: ToolCallParser, *, max_turn_resumes: int
     ) -> None:
         self.engine = engine
         self.chat = chat
@@ -89,9 +150,13 @@ class AgentTurns:
             episode.segments += 1
         return segment, last, []
 
-    async def answer(self, episode: AgentEpisode, call: ChatCall) -> AnsweredCall:
+    async def answer(
+        self, episode: AgentEpisode, call: ChatCall, stream: AnswerStream | None = None
+    ) -> AnsweredCall:
         """Samples the answer to `call` and records it in the episode's segment (`episode` is this
-        call's own copy); raises EpisodeClosed, EngineRefused or EngineUnavailable."""
+        call's own copy); raises EpisodeClosed, EngineRefused or EngineUnavailable. With `stream`,
+        the sampled text goes there as the engine samples it; if its agent leaves meanwhile, the
+        generation is aborted and what it sampled is the call's answer."""
         if episode.calls >= episode.max_turns:
             raise EpisodeClosed(f"the episode made its max_turns ({episode.max_turns}) calls")
         if call.previous_call is not None:
@@ -116,15 +181,23 @@ class AgentTurns:
         params = _sampling(episode, call, len(trajectory.response_ids))
         records: list[TurnRecord] = []
         rid = f"{attempt_rid_prefix(episode.episode_id, 0)}{episode.calls}"
+        engine: Engine = self.engine
+        if stream is not None:
+            stream.prompt_tokens = prompt_tokens
+            if stream.deltas is None:
+                stream.deltas = TextDeltas(self.chat.sampled_text, list(params.get("stop") or []))
+            else:  # answered again (what this process held was stale): the agent saw the first
+                stream.muted = True
+            engine = _Streamed(self.engine, stream)
         try:
             generation, sampled = await sample_turn(
-                self.engine, trajectory, records, episode.calls, rid, params, self.max_turn_resumes
+                engine, trajectory, records, episode.calls, rid, params, self.max_turn_resumes
             )
         except EngineRequestError as error:  # e.g. the conversation outgrew the model's context
             raise EngineRefused(f"the engine refused the request: {error}") from None
         except EngineError as error:
             raise EngineUnavailable(f"the engine: {error}") from None
-        if generation.finish_type == "abort":
+        if generation.finish_type == "abort" and not (stream is not None and stream.gone):
             raise EngineUnavailable(
                 f"the engine aborted the request: {generation.finish_reason.get('message', '')}"
             )
@@ -135,7 +208,7 @@ class AgentTurns:
         records[-1].actions = actions if len(actions) > 1 else None
         segment.tokens = trajectory.tokens()
         segment.turns += [record.to_json() for record in records]
-        segment.messages.append(answer.message)
+        segment.messages.append(answer.message | {"sampled": answer.sampled})  # loop/transcript.py's shape
         return AnsweredCall(answer, segment, closed)
 
     def _answer(
@@ -147,13 +220,12 @@ class AgentTurns:
         prompt_tokens: int,
     ) -> Answer:
         """The sampled ids as an answer: visible text, reasoning, tool calls, finish reason."""
-        text = self.chat.sampled_text(sampled)
+        text = sampled_text = self.chat.sampled_text(sampled)
         matched = generation.finish_reason.get("matched")  # SGLang's: a stop string, or a stop token's id
         stop_sequence = matched if isinstance(matched, str) else None
         if stop_sequence and stop_sequence in text:  # the text ends before it, as OpenAI's and Anthropic's
             text = text[: text.index(stop_sequence)]
-        visible = strip_reasoning(text)
-        reasoning = text[: len(text) - len(visible)].replace("<think>", "").replace("</think>", "").strip()
+        reasoning, visible = split_reasoning(text)
         try:
             parsed = self.parser(visible, tools)
         except ToolCallParseError:
@@ -163,10 +235,11 @@ class AgentTurns:
                 content=parsed.content.strip() or None,
                 reasoning=reasoning or None,
                 tool_calls=[
-                    ToolCall(id=f"call_{call}_{index}", name=action.name, arguments=action.kwargs)
+                    ToolCall(id=call_id(call, index), name=action.name, arguments=action.kwargs)
                     for index, action in enumerate(parsed.actions)
                 ],
                 finish_reason="tool_calls",
+                sampled=sampled_text,
                 call=call,
                 prompt_tokens=prompt_tokens,
                 completion_tokens=len(sampled),
@@ -176,6 +249,7 @@ class AgentTurns:
             reasoning=reasoning or None,
             finish_reason="length" if generation.finish_type == "length" else "stop",
             stop_sequence=stop_sequence,
+            sampled=sampled_text,
             call=call,
             prompt_tokens=prompt_tokens,
             completion_tokens=len(sampled),

@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from service.engine.transport import (
     CONNECT_TIMEOUT_SECONDS,
     GenerateTransport,
     HttpxTransport,
+    Reply,
     TransportFailure,
 )
 from service.retries import backoff, failed_attempt
@@ -258,13 +259,92 @@ def _list(value: Any, what: str) -> list[Any]:
     return value
 
 
-def generate_body(input_ids_json: str, sampling_params_json: str, rid: str) -> bytes:
+def generate_body(input_ids_json: str, sampling_params_json: str, rid: str, *, stream: bool = False) -> bytes:
     """The /generate request body, from already-encoded ids and parameters. Only fields the
     router's typed schema keeps: anything else would be dropped on the way."""
+    streamed = ',"stream":true' if stream else ""
     return (
         f'{{"input_ids":{input_ids_json},"sampling_params":{sampling_params_json},'
-        f'"return_logprob":true,"rid":{json.dumps(rid)}}}'
+        f'"return_logprob":true,"rid":{json.dumps(rid)}{streamed}}}'
     ).encode()
+
+
+OnTokens = Callable[[list[int]], None]
+
+
+class _StreamFrames:
+    """SGLang's streamed /generate answer, fed as its body arrives: server-sent `data: {json}`
+    frames, each with the output so far (SGLang's default: not `--incremental-streaming-output`),
+    `finish_reason` null until the last; `data: [DONE]` ends it."""
+
+    def __init__(self, on_tokens: OnTokens) -> None:
+        self.on_tokens = on_tokens
+        self._buffer = b""
+        self.sampled: list[int] = []
+        self.logprobs: list[float] = []
+        self.last: Generation | None = None
+        self.error: EngineError | None = None
+        self._error_body: list[bytes] = []
+
+    def feed(self, piece: bytes) -> None:
+        """Called by the transport as the body arrives: never raises (an error is kept for outcome)."""
+        self._buffer += piece
+        *frames, self._buffer = self._buffer.split(b"\n\n")
+        for frame in frames:
+            if self.error is None and self.last is None:
+                try:
+                    self._frame(frame)
+                except EngineError as error:
+                    self.error = error
+
+    def _frame(self, frame: bytes) -> None:
+        data = frame.removeprefix(b"data:").strip()
+        if not data or data == b"[DONE]" or not frame.startswith(b"data:"):
+            return
+        try:
+            body = orjson.loads(data)
+        except orjson.JSONDecodeError as error:
+            raise EngineResponseError(f"a streamed frame is not JSON: {error}") from error
+        meta = body.get("meta_info") if isinstance(body, dict) else None
+        if isinstance(meta, dict) and meta.get("finish_reason") is None:
+            meta = {**meta, "finish_reason": {"type": "length"}}  # parsed for its ids only
+            partial = parse_generation({**body, "meta_info": meta})
+        else:
+            partial = self.last = parse_generation(body)
+        if partial.output_ids[: len(self.sampled)] != self.sampled:
+            raise EngineResponseError("a streamed frame does not extend the output before it")
+        new = partial.output_ids[len(self.sampled) :]
+        self.sampled, self.logprobs = partial.output_ids, partial.logprobs
+        if new:
+            self.on_tokens(new)
+
+    def outcome(self, reply: Reply | _Failure) -> Generation | _Failure:
+        """The generation the stream ended with, or a retryable failure; raises as generate()."""
+        if isinstance(reply, _Failure):
+            return reply
+        status = reply.status
+        if status >= 500 or status in RETRYABLE_STATUS:
+            return _Failure(f"HTTP {status}: {_error_message(status, reply.body)}", status_code=status)
+        if status >= 400:
+            raise EngineRequestError(_error_message(status, reply.body), status)
+        if self.error is not None:
+            raise self.error
+        if self.last is None:
+            return _Failure("the stream ended before its last frame", may_be_running=True)
+        return self.last
+
+    def broken(self, reason: str) -> Generation:
+        """What a stream that broke after its first tokens sampled, as an abort to resume."""
+        return Generation(
+            output_ids=self.sampled,
+            logprobs=self.logprobs,
+            finish_type="abort",
+            finish_reason={"type": "abort", "message": f"the stream broke: {reason}"},
+            weight_version=None,
+            prompt_tokens=None,
+            cached_tokens=None,
+            text="",
+        )
 
 
 class SGLangClient:
@@ -399,6 +479,48 @@ class SGLangClient:
         except orjson.JSONDecodeError as error:
             raise EngineResponseError(f"response is not JSON: {error}") from error
         return self._parse(parsed)
+
+    async def generate_streamed(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        on_tokens: OnTokens,
+        *,
+        input_ids_json: str | None = None,
+    ) -> Generation:
+        """generate(), with SGLang's streaming `/generate`: `on_tokens` gets the newly sampled ids
+        as the engine sends them; the Generation returned is the one generate() would return (the
+        stream's last frame). A stream that breaks after its first tokens ends as an abort with
+        what it sampled (the caller resumes it); one that fails before is retried as generate()'s.
+        An engine without a streaming /generate (vLLM's) hands everything over at the end."""
+        if self.GENERATE_PATH != SGLangClient.GENERATE_PATH:
+            generation = await self.generate(input_ids, sampling_params, rid, input_ids_json=input_ids_json)
+            on_tokens(generation.output_ids)
+            return generation
+        encoded_ids = input_ids_json if input_ids_json is not None else json.dumps(list(input_ids))
+        encoded_params = self._encode_params(sampling_params)
+        await self.abort_quiet.wait()
+        frames = _StreamFrames(on_tokens)
+        body = generate_body(encoded_ids, encoded_params, rid, stream=True)
+        reply: Reply | _Failure
+        async with self._inflight:
+            try:
+                reply = await self._transport.stream(
+                    self._generate_url, body, self._timeout_seconds, frames.feed
+                )
+            except TransportFailure as failure:
+                reply = _Failure(failure.reason, may_be_running=failure.may_be_running)
+        result = frames.outcome(reply)
+        if isinstance(result, Generation):
+            if result.interrupted:
+                self.abort_quiet.aborted()
+            return result
+        if result.may_be_running:
+            await self.abort(rid)
+        if frames.sampled:  # the agent saw these tokens: they are the turn's, resumed after
+            return frames.broken(result.reason)
+        return await self._retried(encoded_ids, encoded_params, rid, result)
 
     def _encode_params(self, sampling_params: dict[str, Any]) -> str:
         return json.dumps(sampling_params, separators=(",", ":"))

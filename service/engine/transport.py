@@ -14,6 +14,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -48,7 +49,14 @@ class GenerateTransport(Protocol):
     async def post(self, url: str, body: bytes, timeout_seconds: float) -> Reply:
         """POSTs a JSON body; raises TransportFailure when no HTTP answer came."""
 
+    async def stream(self, url: str, body: bytes, timeout_seconds: float, on_body: OnBody) -> Reply:
+        """POSTs a JSON body and hands a 200 answer's body to `on_body` piece by piece as it
+        arrives (the Reply's body is then empty); any other status comes back whole."""
+
     async def aclose(self) -> None: ...
+
+
+OnBody = Callable[[bytes], None]
 
 
 class _Connection(asyncio.Protocol):
@@ -62,11 +70,12 @@ class _Connection(asyncio.Protocol):
         self.reusable = False
         self.closed = False
         self.idle_since = 0.0
+        self.stream_to: OnBody | None = None  # a streamed 200 answer's body goes here
 
-    def send(self, request: bytes) -> asyncio.Future[Reply]:
+    def send(self, request: bytes, on_body: OnBody | None = None) -> asyncio.Future[Reply]:
         assert self.transport is not None and self.answer is None
         self.answer = asyncio.get_running_loop().create_future()
-        self.body, self.reusable = [], False
+        self.body, self.reusable, self.stream_to = [], False, on_body
         self.transport.write(request)
         return self.answer
 
@@ -91,7 +100,10 @@ class _Connection(asyncio.Protocol):
 
     # httptools callbacks
     def on_body(self, body: bytes) -> None:
-        self.body.append(body)
+        if self.stream_to is not None and self.parser.get_status_code() == 200:
+            self.stream_to(body)
+        else:
+            self.body.append(body)
 
     def on_message_complete(self) -> None:
         self.reusable = self.parser.should_keep_alive()
@@ -162,6 +174,9 @@ class SocketTransport:
             connection.close()
 
     async def post(self, url: str, body: bytes, timeout_seconds: float) -> Reply:
+        return await self.stream(url, body, timeout_seconds, None)
+
+    async def stream(self, url: str, body: bytes, timeout_seconds: float, on_body: OnBody | None) -> Reply:
         key, head = self._head(url)
         try:
             connection = await self._connection(key)
@@ -170,7 +185,7 @@ class SocketTransport:
             raise TransportFailure(reason, may_be_running=False) from error
         try:
             async with asyncio.timeout(timeout_seconds):
-                reply = await connection.send(b"%s%d\r\n\r\n%s" % (head, len(body), body))
+                reply = await connection.send(b"%s%d\r\n\r\n%s" % (head, len(body), body), on_body)
         except BaseException as error:  # a timeout, a dropped connection, a cancellation
             connection.close()  # mid-request: its state is unknown
             if isinstance(error, TimeoutError | ConnectionError | OSError):
@@ -200,6 +215,21 @@ class HttpxTransport:
         except httpx.TransportError as error:  # read timeouts, dropped connections
             raise TransportFailure(f"{type(error).__name__}: {error}", may_be_running=True) from error
         return Reply(response.status_code, response.content)
+
+    async def stream(self, url: str, body: bytes, timeout_seconds: float, on_body: OnBody) -> Reply:
+        try:
+            async with self._http.stream(
+                "POST", url, content=body, headers=JSON_HEADERS, timeout=timeout_seconds
+            ) as response:
+                if response.status_code != 200:
+                    return Reply(response.status_code, await response.aread())
+                async for piece in response.aiter_raw():
+                    on_body(piece)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+            raise TransportFailure(f"{type(error).__name__}: {error}", may_be_running=False) from error
+        except httpx.TransportError as error:
+            raise TransportFailure(f"{type(error).__name__}: {error}", may_be_running=True) from error
+        return Reply(200, b"")
 
     async def aclose(self) -> None:
         pass

@@ -14,6 +14,7 @@ from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
 from service.envs.errors import EnvError, EnvWorkerCrashed
 from service.loop.tokens import ChatTokenizer, Trajectory
 from service.loop.toolcalls import ToolCallParseError, ToolCallParser, strip_reasoning
+from service.loop.transcript import assistant_message, call_id
 from service.records import (
     DEADLINE_NOTE,
     DEFAULT_MAX_NEW_TOKENS,
@@ -196,7 +197,8 @@ class EpisodeRunner:
         generation, sampled_ids = await self._generate(episode, turn, params)
         record = episode.turns[-1]
         content = self.chat.sampled_text(sampled_ids)
-        episode.messages.append({"role": "assistant", "content": content})
+        assistant = assistant_message(content, None, turn)  # its calls are added once parsed
+        episode.messages.append(assistant)
         closing = self.chat.closing_ids(sampled_ids)
         trajectory.add_context(closing)
 
@@ -221,6 +223,7 @@ class EpisodeRunner:
         except ToolCallParseError as error:
             episode.note = f"unparseable tool call: {error}"
             return EpisodeStatus.ABORTED
+        assistant.update(assistant_message(content, parsed, turn))
 
         # Every call of the turn, in order, each answered by its own tool message (parallel calls).
         started = time.perf_counter()
@@ -231,7 +234,7 @@ class EpisodeRunner:
             episode.messages.extend(step.transcript)  # the env's own turn: shown, never prompted
             if action.name == RESPOND_ACTION_NAME:
                 answers.append({"role": "user", "content": step.observation})
-            else:
+            else:  # (the transcript also names the call it answers: see below)
                 answers.append({"role": "tool", "name": action.name, "content": step.observation})
             episode.reward = step.reward
             episode.info.update(step.info)
@@ -241,8 +244,11 @@ class EpisodeRunner:
         record.env_seconds = time.perf_counter() - started
         record.action = parsed.action.name
         record.actions = [action.name for action in parsed.actions[: len(answers)]]
-        episode.messages.extend(answers)
-        trajectory.add_context(self.chat.messages_ids(answers))
+        episode.messages.extend(
+            {**answer, "tool_call_id": call_id(turn, index)} if answer["role"] == "tool" else answer
+            for index, answer in enumerate(answers)
+        )
+        trajectory.add_context(self.chat.messages_ids(answers))  # rendered as before: same tokens
         return EpisodeStatus.COMPLETED if done else None
 
 

@@ -55,6 +55,8 @@ SGLANG_SAMPLING_PARAMS = frozenset(
 class _Running:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     abort_message: str = ""
+    # The output it samples and when it started to (after any pause), for a stream to pace.
+    planned: tuple[PlannedOutput, float] | None = None
 
 
 _json_bytes = json_bytes
@@ -221,6 +223,7 @@ class SimWorker:
             output = plan_output(
                 self.tokens, self.config, request.input_ids, request.sampling_params, request.rid
             )
+            running.planned = output, time.monotonic()
             if not queued:
                 key = rid_attempt_key(request.rid)
                 cached = self._cached_tokens(key, request.input_ids)
@@ -558,14 +561,41 @@ def create_sim_app(config: SimConfig | None = None, *, worker: SimWorker | None 
 
 
 async def _stream(sim: SimWorker, request: SimRequest, running: _Running) -> AsyncIterator[bytes]:
-    """SSE frames with the cumulative text, ids and logprobs so far; finish_reason null until the last."""
-    output, meta = await sim.run(request, running)
+    """SSE frames with the cumulative text, ids and logprobs so far, sent as the tokens are
+    sampled (the first token alone, then every `stream_interval`); finish_reason null until the
+    last frame. A client that goes away aborts the request, as SGLang does."""
+    run = asyncio.ensure_future(sim.run(request, running))
     step = max(1, sim.config.stream_interval)
-    for end in range(step, len(output.ids), step):
-        partial = PlannedOutput(output.ids[:end], output.logprobs[:end], {})
-        chunk = sim.response(request, partial, {**meta, "finish_reason": None, "completion_tokens": end})
-        yield b"data: " + _json_bytes(chunk) + b"\n\n"
-    yield b"data: " + _json_bytes(sim.response(request, output, meta)) + b"\n\n"
+    per_token = sim.config.per_token_latency_seconds * latency_factor(request.rid, sim.config)
+    first = sim.config.latency_seconds * latency_factor(request.rid, sim.config)
+    sent = 0
+    try:
+        await asyncio.sleep(0)  # run plans its output on its first step
+        while not run.done():
+            if running.planned is None:  # paused before it started
+                await asyncio.wait({run}, timeout=0.01)
+                continue
+            planned, started = running.planned
+            count = 1 if sent == 0 else sent + step
+            if count >= len(planned.ids):  # the rest comes with the last frame
+                await run
+                break
+            delay = started + first + count * per_token - time.monotonic()
+            if delay > 0:
+                await asyncio.wait({run}, timeout=delay)
+                if run.done():
+                    break
+            partial = PlannedOutput(planned.ids[:count], planned.logprobs[:count], {})
+            meta = {"id": request.rid, "finish_reason": None, "completion_tokens": count}
+            yield b"data: " + _json_bytes(sim.response(request, partial, meta)) + b"\n\n"
+            sent = count
+        output, meta = await run
+    finally:
+        if not run.done():  # the client went away mid-stream
+            running.abort_message = "Request is disconnected from the client side. Abort request."
+            running.aborted.set()
+    request.response_body = _json_bytes(sim.response(request, output, meta))
+    yield b"data: " + request.response_body + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 

@@ -3,9 +3,14 @@ opening external episodes and finishing them."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
+
+from service.agents.conversation import Answer
+from service.agents.deps import StreamEvents
+from service.agents.streaming import AnswerStream, TextDeltas
 
 TOOLS = [
     {
@@ -56,3 +61,21 @@ async def finish(http: httpx.AsyncClient, agent: dict[str, Any], **body: Any) ->
         json=body,
         headers={"Authorization": f"Bearer {agent['api_key']}"},
     )
+
+
+def replayed(
+    events: StreamEvents, answer: Answer, *, prompt_tokens: int = 0
+) -> list[tuple[str, dict[str, Any]]]:
+    """A recorded answer as a protocol streams it (its text as one piece): (event name, data) of
+    each server-sent event (the name is the data's `type` where the frame has no `event:` line)."""
+    deltas = TextDeltas(lambda ids: "", [])
+    frames = [*events.start(AnswerStream(prompt_tokens=prompt_tokens))]
+    frames += [frame for kind, text in deltas.rest(answer) for frame in events.delta(kind, text)]
+    frames += events.end(answer)
+    parsed = []
+    for frame in b"".join(frames).decode().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in frame.splitlines())
+        if lines and lines.get("data") != "[DONE]":
+            data = json.loads(lines["data"])
+            parsed.append((lines.get("event", data.get("type", "")), data))
+    return parsed

@@ -316,8 +316,12 @@ function assistantContent(content) {
 function transcript(episode) {
   const calls = (episode.turns || []).filter((turn) => turn.resume === 0);
   let assistantTurn = 0;
+  const toolNames = new Map(); // a tool call's id -> its tool: names the results stored without one
   return (episode.messages || [])
     .map((message) => {
+      for (const call of message.tool_calls || []) {
+        if (call && call.function) toolNames.set(call.id, call.function.name);
+      }
       const role = message.role || "?";
       if (role === "system") {
         return `<details class="msg system"><summary class="role">system prompt (${(message.content || "").length} characters)</summary>
@@ -340,7 +344,8 @@ function transcript(episode) {
         return `<div class="msg assistant"><div class="role">assistant${label}</div>${reasoning}${assistantContent(message.content)}${toolCalls}</div>`;
       }
       if (role === "tool") {
-        return `<div class="msg tool"><div class="role">tool ${esc(message.name || "")}</div><pre>${esc(pretty(message.content))}</pre></div>`;
+        const name = message.name || toolNames.get(message.tool_call_id) || "";
+        return `<div class="msg tool"><div class="role">tool ${esc(name)}</div><pre>${esc(pretty(message.content))}</pre></div>`;
       }
       const extra = message.env_only ? " (environment)" : "";
       const body = message.content ? `<div class="content">${esc(message.content)}</div>` : "";

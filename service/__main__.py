@@ -13,16 +13,16 @@ SIM_CLI_REQUEST_LOG = 1000  # generate requests `sim-worker` remembers (at 10,00
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m service", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    migrate = commands.add_parser(
+    migrate_command = commands.add_parser(
         "migrate", help="Upgrade the database of DATABASE_URL to the newest schema."
     )
-    migrate.add_argument(
+    migrate_command.add_argument(
         "--check",
         action="store_true",
         help="Change nothing: exit 0 if the schema is the newest, else 2 (a pod's init container waits "
         "on it for the migration Job).",
     )
-    migrate.add_argument(
+    migrate_command.add_argument(
         "--wait", type=float, default=0.0, metavar="SECONDS", help="With --check: ask again until then."
     )
     serve = commands.add_parser("serve", help="Serve the API and run episodes (RUN_WORKER=false: API only).")

@@ -30,6 +30,10 @@ FINISH_TIMEOUT_SECONDS = 30.0
 
 
 class Runner(Protocol):
+    # The newest weight version (a number) its episodes sampled from; the worker shares it with
+    # the service's other processes and sets what they saw (max_staleness is the service's bound).
+    newest_version: int | None
+
     async def run(self, spec: EpisodeSpec) -> EpisodeResult | None: ...
 
 
@@ -60,6 +64,14 @@ class DrivingRunner:
         self._http: httpx.AsyncClient | None = None
         # Told the episode's id once it is handed over: the worker no longer holds its lease.
         self.on_handover: Callable[[str], None] = lambda episode_id: None
+
+    @property
+    def newest_version(self) -> int | None:  # its own loop's: drivers' calls go through agents' endpoint
+        return self.inner.newest_version
+
+    @newest_version.setter
+    def newest_version(self, version: int | None) -> None:
+        self.inner.newest_version = version
 
     async def run(self, spec: EpisodeSpec) -> EpisodeResult | None:
         request = spec.request

@@ -117,6 +117,10 @@ class TurnRecord:
     has_logprobs: bool = True  # False: SGLang sent no logprobs; this turn's are placeholders (0.0)
     resume: int = 0  # 0: the turn's first generate call; n: its n-th resume after an engine abort
     actions: list[str] | None = None  # a turn of parallel calls: the tools called, in order
+    # The distribution this call's logprobs come from, as the engine reported it: "processed" (the
+    # one sampled from, after temperature, penalties, top-k/top-p: what an importance ratio needs)
+    # or "raw" (the model's, before them); None: unknown (an engine or a row that did not say).
+    logprobs_mode: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

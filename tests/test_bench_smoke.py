@@ -192,3 +192,19 @@ def test_trainer_adapters_quick(capsys: pytest.CaptureFixture[str]) -> None:
     for way in ("bare_client", "slime", "verl", "trl", "skyrl"):
         assert_positive(result[way], "cold_seconds", "warm_seconds")
     assert "max_overhead_of_step" in result and result["verl_vs_slime_cold"] > 0
+
+
+def test_engines_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("engines")
+    returned = bench.main(["--quick"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result == json.loads(json.dumps(returned))
+    assert [run["engine"] for run in result["runs"]] == ["sglang", "vllm"]
+    for run in result["runs"]:
+        assert run["complete"] and run["episodes"] == 50 and "failed" not in run["statuses"]
+        # SGLang's default; the simulated vLLM's flag, read in the background (None: before it came).
+        assert "processed" in run["logprobs_modes"] and set(run["logprobs_modes"]) <= {"processed", "None"}
+        assert_positive(run, "generate_calls", "service_cpu_ms_per_turn")
+    assert_positive(
+        result, "service_cpu_ms_per_turn_vllm", "service_cpu_ms_per_turn_sglang", "vllm_over_sglang"
+    )

@@ -18,6 +18,7 @@ import httpx
 import orjson
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
+from service.engine.model_info import ModelInfoCache, output_room
 from service.engine.transport import (
     CONNECT_TIMEOUT_SECONDS,
     GenerateTransport,
@@ -118,6 +119,9 @@ class Generation:
     cached_tokens: int | None
     text: str  # SGLang's detokenized text, for reference only: the ids are the truth
     has_logprobs: bool = True  # False: SGLang sent none, `logprobs` are placeholders (0.0)
+    # The distribution `logprobs` come from, as the engine reports it (model_info.py): "processed"
+    # (sampled from: after temperature and the rest) or "raw" (the model's); None: unknown.
+    logprobs_mode: str | None = None
 
     @property
     def interrupted(self) -> bool:
@@ -184,7 +188,7 @@ def _logprob(value: Any) -> float:
     return float(value)
 
 
-def parse_generation(body: Any) -> Generation:
+def parse_generation(body: Any, logprobs_mode: str | None = None) -> Generation:
     """Parses one non-streaming `/generate` response body; raises EngineResponseError if unusable."""
     if not isinstance(body, dict):
         raise EngineResponseError(f"expected a JSON object, got {type(body).__name__}")
@@ -245,6 +249,7 @@ def parse_generation(body: Any) -> Generation:
         cached_tokens=_optional_int(meta.get("cached_tokens")),
         text=text if isinstance(text, str) else "",
         has_logprobs=token_logprobs is not None,
+        logprobs_mode=logprobs_mode,
     )
 
 
@@ -273,6 +278,7 @@ class SGLangClient:
     """
 
     GENERATE_PATH = "/generate"
+    CONTEXT_RESERVE = 1  # SGLang refuses input + max_new_tokens >= its context length
 
     def __init__(
         self,
@@ -286,6 +292,7 @@ class SGLangClient:
         worker_urls: list[str] | None = None,
         transport: GenerateTransport | None = None,
         abort_quiet: AbortQuiet | None = None,
+        model_info: ModelInfoCache | None = None,
     ) -> None:
         self._http = http
         self._transport = transport or HttpxTransport(http)
@@ -300,6 +307,7 @@ class SGLangClient:
         self._abort_workers: tuple[float, list[str]] | None = None  # (when listed, urls)
         self._abort_workers_lock = asyncio.Lock()
         self.abort_quiet = abort_quiet or AbortQuiet(ABORT_QUIET_SECONDS)
+        self.model_info = model_info  # None: nothing read from the engine (max_new_tokens as asked)
 
     @property
     def inflight(self) -> int:
@@ -319,12 +327,35 @@ class SGLangClient:
         `input_ids_json`, the ids already encoded as a JSON array, spares re-encoding a long
         conversation on every turn (see Trajectory.input_ids_json).
         """
+        if self.model_info is not None:
+            sampling_params = await self._fit_context(len(input_ids), sampling_params, self.model_info)
         encoded_ids = input_ids_json if input_ids_json is not None else json.dumps(list(input_ids))
         encoded_params = self._encode_params(sampling_params)
         result = await self._attempt(encoded_ids, encoded_params, rid)
         if isinstance(result, Generation):
             return result
         return await self._retried(encoded_ids, encoded_params, rid, result)
+
+    async def _fit_context(
+        self, input_tokens: int, sampling_params: dict[str, Any], model_info: ModelInfoCache
+    ) -> dict[str, Any]:
+        """`sampling_params` with max_new_tokens cut to what the engine's context length leaves, so
+        that the last turns of a long episode sample up to the context instead of being refused;
+        an input that leaves no room is refused here, as the engine would."""
+        context_length = (await model_info.get()).context_length
+        room = output_room(context_length, input_tokens, self.CONTEXT_RESERVE)
+        if room is None:
+            return sampling_params
+        if room < 1:
+            raise EngineRequestError(
+                f"the input ({input_tokens} tokens) leaves no room in the model's context length "
+                f"({context_length} tokens)",
+                400,
+            )
+        asked = sampling_params.get("max_new_tokens")
+        if isinstance(asked, int) and asked > room:
+            return sampling_params | {"max_new_tokens": room}
+        return sampling_params
 
     async def _attempt(self, encoded_ids: str, encoded_params: str, rid: str) -> Generation | _Failure:
         await self.abort_quiet.wait()
@@ -395,7 +426,7 @@ class SGLangClient:
         return generate_body(input_ids_json, sampling_params_json, rid)
 
     def _parse(self, body: Any) -> Generation:
-        return parse_generation(body)
+        return parse_generation(body, self.model_info.info.logprobs_mode if self.model_info else None)
 
     async def pause(self, mode: str) -> dict[str, str | None]:
         """Pauses generation on every worker (SGLang's modes: abort, retract, in_place)."""

@@ -112,7 +112,7 @@ def _finish_reason(choice: dict[str, Any], output_ids: list[int]) -> dict[str, A
     raise EngineResponseError(f"unknown finish_reason {reason!r}")
 
 
-def parse_vllm_generation(body: Any) -> Generation:
+def parse_vllm_generation(body: Any, logprobs_mode: str | None = None) -> Generation:
     """Parses one non-streaming `/inference/v1/generate` body; raises EngineResponseError if unusable."""
     if not isinstance(body, dict):
         raise EngineResponseError(f"expected a JSON object, got {type(body).__name__}")
@@ -159,6 +159,7 @@ def parse_vllm_generation(body: Any) -> Generation:
         cached_tokens=cached if isinstance(cached, int) else None,
         text="",  # the tokens mode sends none: the ids are the truth
         has_logprobs=has_logprobs,
+        logprobs_mode=logprobs_mode,
     )
 
 
@@ -167,6 +168,7 @@ class VLLMClient(SGLangClient):
     pause/resume, `VLLM_SERVER_DEV_MODE=1`)."""
 
     GENERATE_PATH = "/inference/v1/generate"
+    CONTEXT_RESERVE = 0  # vLLM takes input + max_tokens up to max_model_len
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -199,7 +201,7 @@ class VLLMClient(SGLangClient):
         ).encode()
 
     def _parse(self, body: Any) -> Generation:
-        return parse_vllm_generation(body)
+        return parse_vllm_generation(body, self.model_info.info.logprobs_mode if self.model_info else None)
 
     async def abort(self, rid: str) -> None:
         """Aborts every request in flight whose id starts with `rid` (vLLM aborts exact ids)."""
@@ -214,6 +216,12 @@ class VLLMClient(SGLangClient):
                 problem = (await self.control(self._abort_path, body, [url]))[url]
             if problem is not None:
                 logger.warning("abort %s at %s: %s", rid, url, problem)
+
+    async def workers(self) -> list[str]:
+        """The configured workers, else the server itself: vLLM has no router to ask (a GET
+        /workers would be one more request for a server busy generating to answer, before every
+        pause and every 10 s of aborts)."""
+        return list(self._worker_urls) or [self.base_url]
 
     async def pause(self, mode: str) -> dict[str, str | None]:
         """vLLM's pause: SGLang's abort is vLLM's abort; retract and in_place keep requests in

@@ -92,8 +92,6 @@ def started_processes(log: Path) -> int:
     return log.read_text(errors="replace").count('"message": "Application startup complete."')
 
 
-
-
 def run_once(
     workers: int,
     episodes: int,

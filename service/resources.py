@@ -110,6 +110,7 @@ async def engine_client(settings: Settings) -> AsyncIterator[SGLangClient]:
         model_info = ModelInfoCache(
             http, settings.sglang_url.rstrip("/"), settings.engine, settings.engine_logprobs_mode
         )
+        model_info.warm_up()
         try:
             yield client(
                 http,

@@ -53,9 +53,7 @@ async def test_max_new_tokens_is_cut_to_what_the_context_leaves(
     (sent,) = worker.requests
     assert sent.body["sampling_params"][MAX_TOKENS_NAME[engine]] == room
     assert len(generation.output_ids) <= room
-    # vLLM's mode is read in the background: known from here on (SGLang's is its default).
-    assert await client.model_info.wait_logprobs_mode() == "processed"
-    assert generation.logprobs_mode in ({"processed", None} if engine == "vllm" else {"processed"})
+    assert generation.logprobs_mode == "processed"  # vLLM's flag, read from it; SGLang's default
     # Asked for less than the room: sent as asked.
     await client.generate(prompt, {"max_new_tokens": 7}, "ctx:0:1")
     assert worker.requests[-1].body["sampling_params"][MAX_TOKENS_NAME[engine]] == 7
@@ -100,13 +98,12 @@ async def test_an_engine_that_does_not_answer_is_read_again_later() -> None:
     async with httpx.AsyncClient(transport=httpx.MockTransport(not_up)) as http:
         cache = ModelInfoCache(http, "http://engine", "vllm", "auto")
         assert (await cache.get()).context_length is None
-        assert await cache.wait_logprobs_mode() is None
+        assert cache.info.logprobs_mode is None
         assert asked == ["/v1/models", "/server_info"]
         await cache.get()  # kept for RETRY_AFTER_SECONDS: not asked again
         assert len(asked) == 2
         cache._expires = 0.0  # RETRY_AFTER_SECONDS later
         await cache.get()
-        await cache.wait_logprobs_mode()
         assert asked[2:] == ["/v1/models", "/server_info"]
         await cache.aclose()
 
@@ -141,10 +138,7 @@ async def test_each_turn_records_its_logprobs_mode_and_long_turns_fit_the_contex
     # Before, the first turn was refused ("context length"): truncated with no token sampled.
     assert episode["status"] in {"completed", "aborted"}, episode["error"]  # aborted: the sim's bad calls
     assert episode["response_ids"]
-    modes = [turn["logprobs_mode"] for turn in episode["turns"]]
-    # vLLM's is read in the background while the first call runs: that one may not know it yet.
-    assert modes[1:] == ["processed"] * (len(modes) - 1) and modes[0] in {"processed", None}
-    assert engine == "vllm" or modes[0] == "processed"
+    assert episode["turns"] and {turn["logprobs_mode"] for turn in episode["turns"]} == {"processed"}
     for request in worker.requests:
         sent = request.body["sampling_params"][MAX_TOKENS_NAME[engine]]
         assert len(request.input_ids) + sent <= 4096

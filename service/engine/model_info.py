@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -115,10 +115,10 @@ def output_room(context_length: int | None, input_tokens: int, reserve: int) -> 
 
 
 class ModelInfoCache:
-    """The engine's ModelInfo. The context length is read on first use by one caller while the
-    others wait; a failed read (the engine not up yet) is kept for RETRY_AFTER_SECONDS, then read
-    again. vLLM's logprobs mode is read meanwhile in the background (its /server_info takes
-    seconds the first time): turns sampled before it is known record None."""
+    """The engine's ModelInfo, read once by one caller while the others wait (the service starts the
+    read as it starts: `warm_up`); a failed read (the engine not up yet) is kept for
+    RETRY_AFTER_SECONDS, then read again. Generations wait for it, so that every call records the
+    logprobs mode it was sampled under: vLLM's /server_info takes seconds the first time."""
 
     def __init__(self, http: httpx.AsyncClient, base_url: str, engine: str, setting: str) -> None:
         self._http = http
@@ -126,8 +126,8 @@ class ModelInfoCache:
         self._engine = engine
         self._setting = setting
         self._lock = asyncio.Lock()
-        self._expires = 0.0  # monotonic time the context length is read again; inf once read
-        self._mode_read: asyncio.Task[None] | None = None
+        self._expires = 0.0  # monotonic time the info is read again; inf once read
+        self._warm_up: asyncio.Task[ModelInfo] | None = None
         self.info = ModelInfo(None, known_logprobs_mode(engine, setting))
 
     async def get(self) -> ModelInfo:
@@ -135,28 +135,24 @@ class ModelInfoCache:
             return self.info
         async with self._lock:
             if self._expires <= time.monotonic():
-                length = await read_context_length(self._http, self._base_url, self._engine)
-                self.info = replace(self.info, context_length=length)
-                self._expires = float("inf") if length is not None else time.monotonic() + RETRY_AFTER_SECONDS
-                logger.info("the engine's context length: %s", length)
-                if self.info.logprobs_mode is None and self._mode_read is None:
-                    self._mode_read = asyncio.create_task(self._read_logprobs_mode())
+                self.info = await read_model_info(self._http, self._base_url, self._engine, self._setting)
+                # Read once the engine answered: a server with no mode to report (no dev mode)
+                # will not report one later.
+                read = self.info.context_length is not None
+                self._expires = float("inf") if read else time.monotonic() + RETRY_AFTER_SECONDS
+                logger.info(
+                    "the engine's context length: %s; its logprobs: %s",
+                    self.info.context_length,
+                    self.info.logprobs_mode or "unknown (vLLM without VLLM_SERVER_DEV_MODE=1?)",
+                )
         return self.info
 
-    async def _read_logprobs_mode(self) -> None:
-        mode = await read_logprobs_mode(self._http, self._base_url, self._engine, self._setting)
-        self.info = replace(self.info, logprobs_mode=mode)
-        logger.info("the engine's logprobs: %s", mode or "unknown (vLLM without VLLM_SERVER_DEV_MODE=1?)")
-        if mode is None:
-            self._mode_read = None  # asked again with the next read of the context length
-
-    async def wait_logprobs_mode(self) -> str | None:
-        """The logprobs mode once the read under way (if any) has ended."""
-        if self._mode_read is not None:
-            await asyncio.shield(self._mode_read)
-        return self.info.logprobs_mode
+    def warm_up(self) -> None:
+        """Starts the read in the background, so that the first generations need not wait for it."""
+        self._warm_up = asyncio.get_running_loop().create_task(self.get())
 
     async def aclose(self) -> None:
-        if self._mode_read is not None and not self._mode_read.done():
-            self._mode_read.cancel()
-            await asyncio.gather(self._mode_read, return_exceptions=True)
+        if self._warm_up is not None and not self._warm_up.done():
+            self._warm_up.cancel()
+        if self._warm_up is not None:
+            await asyncio.gather(self._warm_up, return_exceptions=True)

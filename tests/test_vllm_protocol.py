@@ -131,6 +131,7 @@ async def test_abort_by_prefix_reaches_the_ids_in_flight() -> None:
             assert generation.finish_type == "abort" and generation.interrupted
             assert len(generation.output_ids) == len(generation.logprobs) < 400
             assert worker.aborts == [{"request_ids": ["generate-tokens-ep:0:3"]}]
+            assert client._live == {}  # an ended call's id is no longer aborted by prefix
             await client.abort("ep:0:")  # nothing in flight: no call at all
             assert len(worker.aborts) == 1
         finally:

@@ -13,7 +13,10 @@ What differs from SGLang, from vLLM 0.32's source (entrypoints/scale_out/token_i
   `VLLM_SERVER_DEV_MODE=1`); `keep` freezes requests in flight and continues them after the resume;
 - logprobs come from the server's `--logprobs-mode`: `raw_logprobs` (vLLM's default) are the
   model's before temperature and penalties; serve with `processed_logprobs` for the distribution
-  sampled from (what SGLang returns, and what an importance ratio needs).
+  sampled from (what SGLang returns, and what an importance ratio needs). The service reads the
+  mode from the dev server's /server_info and records it on every call (model_info.py);
+- there is no router: control calls go to the server itself (or SGLANG_WORKER_URLS), never after
+  a `GET /workers`.
 """
 
 from __future__ import annotations
@@ -186,9 +189,11 @@ class VLLMClient(SGLangClient):
         try:
             return await super().generate(input_ids, sampling_params, rid, input_ids_json=input_ids_json)
         finally:
-            retried = f"{rid}.retry"
-            for live in [live for live in self._live if live == rid or live.startswith(retried)]:
-                del self._live[live]
+            # By its ids (the client's retries are `<rid>.retry<n>`), not a scan of every id in
+            # flight: at 2,000 in flight a scan cost more than the rest of the turn.
+            self._live.pop(rid, None)
+            for retry in range(1, self._retries + 1):
+                self._live.pop(f"{rid}.retry{retry}", None)
 
     def _encode_params(self, sampling_params: dict[str, Any]) -> str:
         return json.dumps(vllm_sampling_params(sampling_params), separators=(",", ":"))

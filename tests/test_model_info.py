@@ -136,7 +136,10 @@ async def test_each_turn_records_its_logprobs_mode_and_long_turns_fit_the_contex
             assert batch["complete"]
             episode = (await client.get(f"/episodes/{batch['episodes'][0]['id']}")).json()
     # Before, the first turn was refused ("context length"): truncated with no token sampled.
-    assert episode["status"] in {"completed", "aborted"}, episode["error"]  # aborted: the sim's bad calls
+    # (The simulated policy's noise may abort or truncate it otherwise: bad calls, the turn limit.)
+    assert episode["status"] != "failed" and "context length" not in (episode["error"] or ""), episode[
+        "error"
+    ]
     assert episode["response_ids"]
     assert episode["turns"] and {turn["logprobs_mode"] for turn in episode["turns"]} == {"processed"}
     for request in worker.requests:

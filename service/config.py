@@ -211,6 +211,14 @@ class Settings(BaseSettings):
         description="After the engine aborts requests, no generate call goes to it for this long "
         f"(doubling, up to {ABORT_QUIET_GROWTH}x, while aborts keep coming), so that a trainer sees it idle.",
     )
+    engine_logprobs_mode: Literal["auto", "processed", "raw"] = Field(
+        default="auto",
+        description="Which distribution the engine's logprobs come from, recorded on every turn "
+        "(turns[].logprobs_mode): 'processed', the one sampled from (after temperature, penalties, "
+        "top-k/top-p), or 'raw', the model's before them. auto: what the engine reports (vLLM's "
+        "--logprobs-mode, from its dev-mode /server_info), and SGLang's default, processed (set raw for "
+        "an SGLang run with SGLANG_RETURN_ORIGINAL_LOGPROB=1, which it does not report).",
+    )
     max_pause_seconds: float = Field(
         default=600.0,
         gt=0,

@@ -14,6 +14,7 @@ from typing import cast
 
 from service.config import Settings
 from service.engine.client import AbortQuiet, SGLangClient, make_control_client
+from service.engine.model_info import ModelInfoCache
 from service.engine.transport import SocketTransport
 from service.engine.vllm import VLLMClient
 from service.envs.base import EnvSpec
@@ -111,17 +112,25 @@ async def engine_client(settings: Settings) -> AsyncIterator[SGLangClient]:
         aclosing(SocketTransport()) as transport,
     ):
         client = VLLMClient if settings.engine == "vllm" else SGLangClient
-        yield client(
-            http,
-            settings.sglang_url,
-            max_inflight=settings.max_inflight_generates,
-            retries=settings.engine_retries,
-            backoff_seconds=settings.engine_backoff_seconds,
-            timeout_seconds=settings.engine_timeout_seconds,
-            worker_urls=settings.worker_url_list,
-            transport=transport,
-            abort_quiet=AbortQuiet(settings.engine_abort_quiet_seconds),
+        model_info = ModelInfoCache(
+            http, settings.sglang_url.rstrip("/"), settings.engine, settings.engine_logprobs_mode
         )
+        model_info.warm_up()
+        try:
+            yield client(
+                http,
+                settings.sglang_url,
+                max_inflight=settings.max_inflight_generates,
+                retries=settings.engine_retries,
+                backoff_seconds=settings.engine_backoff_seconds,
+                timeout_seconds=settings.engine_timeout_seconds,
+                worker_urls=settings.worker_url_list,
+                transport=transport,
+                abort_quiet=AbortQuiet(settings.engine_abort_quiet_seconds),
+                model_info=model_info,
+            )
+        finally:
+            await model_info.aclose()
 
 
 @asynccontextmanager

@@ -208,3 +208,18 @@ def test_capacity_quick(capsys: pytest.CaptureFixture[str]) -> None:
             run, "statements_per_turn", "bytes_to_db_per_turn", "bytes_from_db_per_turn", "commits"
         )
     assert_positive(result["projection"], "turns_per_s_one_pg_carries", "service_processes_one_pg_carries")
+
+
+def test_engines_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("engines")
+    returned = bench.main(["--quick"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result == json.loads(json.dumps(returned))
+    assert [run["engine"] for run in result["runs"]] == ["sglang", "vllm"]
+    for run in result["runs"]:
+        assert run["complete"] and run["episodes"] == 50 and "failed" not in run["statuses"]
+        assert run["logprobs_modes"] == ["processed"]  # SGLang's default; the simulated vLLM's flag
+        assert_positive(run, "generate_calls", "service_cpu_ms_per_turn")
+    assert_positive(
+        result, "service_cpu_ms_per_turn_vllm", "service_cpu_ms_per_turn_sglang", "vllm_over_sglang"
+    )

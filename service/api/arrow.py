@@ -38,6 +38,7 @@ ARROW_SCHEMA = pa.schema(
         # int16 codes: 2 bytes a token (a chunk's episodes name far fewer versions than 32,767).
         ("token_weight_versions", pa.list_(pa.dictionary(pa.int16(), pa.string()))),
         ("finish_reasons", pa.list_(pa.string())),
+        ("logprobs_modes", pa.list_(pa.string())),  # per call: "processed", "raw" or null (unknown)
         ("error", pa.string()),
         ("messages_json", pa.string()),
         ("info_json", pa.string()),
@@ -122,6 +123,7 @@ def arrow_record_batch(columns: EpisodeColumns) -> pa.Buffer:
             "finish_reasons": [
                 [(turn.get("finish_reason") or {}).get("type") for turn in rows] for rows in turns
             ],
+            "logprobs_modes": [[turn.get("logprobs_mode") for turn in rows] for rows in turns],
             "error": columns.error,
             "messages_json": [_json_text(text) for text in columns.messages_json],
             "info_json": [_json_text(text) for text in columns.info_json],

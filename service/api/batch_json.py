@@ -144,6 +144,7 @@ def episodes_with_tokens_json(columns: EpisodeColumns) -> bytes:
             "loss_mask": _numbers(columns.loss_mask[index], blobs.MASK_DTYPE),
             "rollout_logprobs": _numbers(columns.rollout_logprobs[index], blobs.LOGPROB_DTYPE),
             "weight_versions": [turn.get("weight_version") for turn in turns],
+            "logprobs_modes": [turn.get("logprobs_mode") for turn in turns],
             "segment": columns.segment[index],
             "segments": columns.segments[index],
         }

@@ -49,6 +49,7 @@ def episode_detail(episode: Episode, earlier: Sequence[EpisodeSegment] = ()) -> 
         trainable=episode.status in TRAINABLE_STATUSES,
         **_arrays(tokens),
         weight_versions=[turn.weight_version for turn in turns],
+        logprobs_modes=[turn.logprobs_mode for turn in turns],
         batch_id=episode.batch_id,
         env=episode.env,
         task_split=episode.task_split,

@@ -230,6 +230,11 @@ class EpisodeTokensOut(BaseModel):
     loss_mask: list[int] | None
     rollout_logprobs: list[float] | None
     weight_versions: list[str | None]
+    logprobs_modes: list[str | None] = Field(
+        description="Per generate call, the distribution its rollout_logprobs come from, as the engine "
+        "reported it: 'processed' (the one sampled from, after temperature, penalties and top-k/top-p: "
+        "what an importance ratio needs) or 'raw' (the model's, before them); null: unknown."
+    )
     segment: int = Field(
         default=0, description="Which segment of its episode these tokens are (external agents)."
     )

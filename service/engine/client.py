@@ -18,6 +18,7 @@ import httpx
 import orjson
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
+from service.engine.model_info import ModelInfoCache, output_room
 from service.engine.status import ENGINE_DOWN_STATUSES, PROBE_TIMEOUT_SECONDS, EngineStatus
 from service.engine.transport import (
     CONNECT_TIMEOUT_SECONDS,
@@ -123,6 +124,9 @@ class Generation:
     cached_tokens: int | None
     text: str  # SGLang's detokenized text, for reference only: the ids are the truth
     has_logprobs: bool = True  # False: SGLang sent none, `logprobs` are placeholders (0.0)
+    # The distribution `logprobs` come from, as the engine reports it (model_info.py): "processed"
+    # (sampled from: after temperature and the rest) or "raw" (the model's); None: unknown.
+    logprobs_mode: str | None = None
 
     @property
     def interrupted(self) -> bool:
@@ -189,7 +193,7 @@ def _logprob(value: Any) -> float:
     return float(value)
 
 
-def parse_generation(body: Any) -> Generation:
+def parse_generation(body: Any, logprobs_mode: str | None = None) -> Generation:
     """Parses one non-streaming `/generate` response body; raises EngineResponseError if unusable."""
     if not isinstance(body, dict):
         raise EngineResponseError(f"expected a JSON object, got {type(body).__name__}")
@@ -250,6 +254,7 @@ def parse_generation(body: Any) -> Generation:
         cached_tokens=_optional_int(meta.get("cached_tokens")),
         text=text if isinstance(text, str) else "",
         has_logprobs=token_logprobs is not None,
+        logprobs_mode=logprobs_mode,
     )
 
 
@@ -277,8 +282,9 @@ class _StreamFrames:
     frames, each with the output so far (SGLang's default: not `--incremental-streaming-output`),
     `finish_reason` null until the last; `data: [DONE]` ends it."""
 
-    def __init__(self, on_tokens: OnTokens) -> None:
+    def __init__(self, on_tokens: OnTokens, logprobs_mode: str | None) -> None:
         self.on_tokens = on_tokens
+        self.logprobs_mode = logprobs_mode
         self._buffer = b""
         self.sampled: list[int] = []
         self.logprobs: list[float] = []
@@ -310,7 +316,7 @@ class _StreamFrames:
             meta = {**meta, "finish_reason": {"type": "length"}}  # parsed for its ids only
             partial = parse_generation({**body, "meta_info": meta})
         else:
-            partial = self.last = parse_generation(body)
+            partial = self.last = parse_generation(body, self.logprobs_mode)
         if partial.output_ids[: len(self.sampled)] != self.sampled:
             raise EngineResponseError("a streamed frame does not extend the output before it")
         new = partial.output_ids[len(self.sampled) :]
@@ -357,6 +363,7 @@ class SGLangClient:
     """
 
     GENERATE_PATH = "/generate"
+    CONTEXT_RESERVE = 1  # SGLang refuses input + max_new_tokens >= its context length
 
     def __init__(
         self,
@@ -370,6 +377,7 @@ class SGLangClient:
         worker_urls: list[str] | None = None,
         transport: GenerateTransport | None = None,
         abort_quiet: AbortQuiet | None = None,
+        model_info: ModelInfoCache | None = None,
     ) -> None:
         self._http = http
         self._transport = transport or HttpxTransport(http)
@@ -385,6 +393,7 @@ class SGLangClient:
         self._abort_workers_lock = asyncio.Lock()
         self.abort_quiet = abort_quiet or AbortQuiet(ABORT_QUIET_SECONDS)
         self.status = EngineStatus(self.base_url, self._health_problem)
+        self.model_info = model_info  # None: nothing read from the engine (max_new_tokens as asked)
 
     @property
     def inflight(self) -> int:
@@ -404,12 +413,35 @@ class SGLangClient:
         `input_ids_json`, the ids already encoded as a JSON array, spares re-encoding a long
         conversation on every turn (see Trajectory.input_ids_json).
         """
+        if self.model_info is not None:
+            sampling_params = await self._fit_context(len(input_ids), sampling_params, self.model_info)
         encoded_ids = input_ids_json if input_ids_json is not None else json.dumps(list(input_ids))
         encoded_params = self._encode_params(sampling_params)
         result = await self._attempt(encoded_ids, encoded_params, rid)
         if isinstance(result, Generation):
             return result
         return await self._retried(encoded_ids, encoded_params, rid, result)
+
+    async def _fit_context(
+        self, input_tokens: int, sampling_params: dict[str, Any], model_info: ModelInfoCache
+    ) -> dict[str, Any]:
+        """`sampling_params` with max_new_tokens cut to what the engine's context length leaves, so
+        that the last turns of a long episode sample up to the context instead of being refused;
+        an input that leaves no room is refused here, as the engine would."""
+        context_length = (await model_info.get()).context_length
+        room = output_room(context_length, input_tokens, self.CONTEXT_RESERVE)
+        if room is None:
+            return sampling_params
+        if room < 1:
+            raise EngineRequestError(
+                f"the input ({input_tokens} tokens) leaves no room in the model's context length "
+                f"({context_length} tokens)",
+                400,
+            )
+        asked = sampling_params.get("max_new_tokens")
+        if isinstance(asked, int) and asked > room:
+            return sampling_params | {"max_new_tokens": room}
+        return sampling_params
 
     async def _attempt(self, encoded_ids: str, encoded_params: str, rid: str) -> Generation | _Failure:
         await self.abort_quiet.wait()
@@ -498,10 +530,12 @@ class SGLangClient:
             generation = await self.generate(input_ids, sampling_params, rid, input_ids_json=input_ids_json)
             on_tokens(generation.output_ids)
             return generation
+        if self.model_info is not None:
+            sampling_params = await self._fit_context(len(input_ids), sampling_params, self.model_info)
         encoded_ids = input_ids_json if input_ids_json is not None else json.dumps(list(input_ids))
         encoded_params = self._encode_params(sampling_params)
         await self.abort_quiet.wait()
-        frames = _StreamFrames(on_tokens)
+        frames = _StreamFrames(on_tokens, self.model_info.info.logprobs_mode if self.model_info else None)
         body = generate_body(encoded_ids, encoded_params, rid, stream=True)
         reply: Reply | _Failure
         async with self._inflight:
@@ -510,7 +544,16 @@ class SGLangClient:
                     self._generate_url, body, self._timeout_seconds, frames.feed
                 )
             except TransportFailure as failure:
+                if not failure.may_be_running:  # it never reached an engine: there is none
+                    self.status.unreachable(failure.reason)
                 reply = _Failure(failure.reason, may_be_running=failure.may_be_running)
+        if not isinstance(reply, _Failure):
+            if reply.status in ENGINE_DOWN_STATUSES:
+                self.status.unreachable(
+                    f"HTTP {reply.status}: {_error_message(reply.status, reply.body)[:200]}"
+                )
+            else:
+                self.status.answered()
         result = frames.outcome(reply)
         if isinstance(result, Generation):
             if result.interrupted:
@@ -529,7 +572,7 @@ class SGLangClient:
         return generate_body(input_ids_json, sampling_params_json, rid)
 
     def _parse(self, body: Any) -> Generation:
-        return parse_generation(body)
+        return parse_generation(body, self.model_info.info.logprobs_mode if self.model_info else None)
 
     async def pause(self, mode: str) -> dict[str, str | None]:
         """Pauses generation on every worker (SGLang's modes: abort, retract, in_place)."""

@@ -13,7 +13,10 @@ What differs from SGLang, from vLLM 0.32's source (entrypoints/scale_out/token_i
   `VLLM_SERVER_DEV_MODE=1`); `keep` freezes requests in flight and continues them after the resume;
 - logprobs come from the server's `--logprobs-mode`: `raw_logprobs` (vLLM's default) are the
   model's before temperature and penalties; serve with `processed_logprobs` for the distribution
-  sampled from (what SGLang returns, and what an importance ratio needs).
+  sampled from (what SGLang returns, and what an importance ratio needs). The service reads the
+  mode from the dev server's /server_info and records it on every call (model_info.py);
+- there is no router: control calls go to the server itself (or SGLANG_WORKER_URLS), never after
+  a `GET /workers`.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ def _finish_reason(choice: dict[str, Any], output_ids: list[int]) -> dict[str, A
     raise EngineResponseError(f"unknown finish_reason {reason!r}")
 
 
-def parse_vllm_generation(body: Any) -> Generation:
+def parse_vllm_generation(body: Any, logprobs_mode: str | None = None) -> Generation:
     """Parses one non-streaming `/inference/v1/generate` body; raises EngineResponseError if unusable."""
     if not isinstance(body, dict):
         raise EngineResponseError(f"expected a JSON object, got {type(body).__name__}")
@@ -159,6 +162,7 @@ def parse_vllm_generation(body: Any) -> Generation:
         cached_tokens=cached if isinstance(cached, int) else None,
         text="",  # the tokens mode sends none: the ids are the truth
         has_logprobs=has_logprobs,
+        logprobs_mode=logprobs_mode,
     )
 
 
@@ -167,6 +171,7 @@ class VLLMClient(SGLangClient):
     pause/resume, `VLLM_SERVER_DEV_MODE=1`)."""
 
     GENERATE_PATH = "/inference/v1/generate"
+    CONTEXT_RESERVE = 0  # vLLM takes input + max_tokens up to max_model_len
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -184,9 +189,11 @@ class VLLMClient(SGLangClient):
         try:
             return await super().generate(input_ids, sampling_params, rid, input_ids_json=input_ids_json)
         finally:
-            retried = f"{rid}.retry"
-            for live in [live for live in self._live if live == rid or live.startswith(retried)]:
-                del self._live[live]
+            # By its ids (the client's retries are `<rid>.retry<n>`), not a scan of every id in
+            # flight: at 2,000 in flight a scan cost more than the rest of the turn.
+            self._live.pop(rid, None)
+            for retry in range(1, self._retries + 1):
+                self._live.pop(f"{rid}.retry{retry}", None)
 
     def _encode_params(self, sampling_params: dict[str, Any]) -> str:
         return json.dumps(vllm_sampling_params(sampling_params), separators=(",", ":"))
@@ -199,7 +206,7 @@ class VLLMClient(SGLangClient):
         ).encode()
 
     def _parse(self, body: Any) -> Generation:
-        return parse_vllm_generation(body)
+        return parse_vllm_generation(body, self.model_info.info.logprobs_mode if self.model_info else None)
 
     async def abort(self, rid: str) -> None:
         """Aborts every request in flight whose id starts with `rid` (vLLM aborts exact ids)."""
@@ -214,6 +221,12 @@ class VLLMClient(SGLangClient):
                 problem = (await self.control(self._abort_path, body, [url]))[url]
             if problem is not None:
                 logger.warning("abort %s at %s: %s", rid, url, problem)
+
+    async def workers(self) -> list[str]:
+        """The configured workers, else the server itself: vLLM has no router to ask (a GET
+        /workers would be one more request for a server busy generating to answer, before every
+        pause and every 10 s of aborts)."""
+        return list(self._worker_urls) or [self.base_url]
 
     async def pause(self, mode: str) -> dict[str, str | None]:
         """vLLM's pause: SGLang's abort is vLLM's abort; retract and in_place keep requests in

@@ -285,6 +285,7 @@ async def sample_turn(
                 engine_seconds=time.perf_counter() - started,
                 has_logprobs=generation.has_logprobs,
                 resume=resume,
+                logprobs_mode=generation.logprobs_mode,
             )
         )
         trajectory.add_sampled(generation.output_ids, generation.logprobs)

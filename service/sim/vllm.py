@@ -102,3 +102,10 @@ def vllm_response(
         "output_mode": "tokens",
         "choices": [choice],
     }
+
+
+def vllm_server_info(max_model_len: int) -> dict[str, Any]:
+    """vLLM's dev-mode `GET /server_info?config_format=json`, the part the service reads: the
+    engine's config, here a server started with `--logprobs-mode processed_logprobs`."""
+    model_config = {"max_model_len": max_model_len, "logprobs_mode": "processed_logprobs"}
+    return {"vllm_config": {"model_config": model_config}, "vllm_env": {}, "system_env": {}}

@@ -30,7 +30,13 @@ from starlette.routing import Route
 from service.records import rid_attempt_key
 from service.sim.policy import PlannedOutput, SimConfig, SimTokens, latency_factor, plan_output
 from service.sim.protocol import SimHTTPError, SimRequest, json_bytes
-from service.sim.vllm import VLLM_ID_PREFIX, sglang_body_of_vllm, vllm_error, vllm_response
+from service.sim.vllm import (
+    VLLM_ID_PREFIX,
+    sglang_body_of_vllm,
+    vllm_error,
+    vllm_response,
+    vllm_server_info,
+)
 from service.sockets import listen
 
 __all__ = ["SimConfig", "SimRequest", "SimWorker", "create_sim_app", "main", "serve_in_thread"]
@@ -427,6 +433,8 @@ def create_sim_app(config: SimConfig | None = None, *, worker: SimWorker | None 
         )
 
     async def server_info(request: Request) -> Response:
+        if "config_format" in request.query_params:  # vLLM's dev-mode /server_info (SGLang has none)
+            return JSONResponse(vllm_server_info(sim.config.context_length))
         return JSONResponse(
             {
                 "model_path": sim.model_path,

@@ -130,7 +130,7 @@ class GroupWaiter:
                     for _, result in self._waiting.values():
                         result.set_exception(error)
                     self._waiting.clear()
-                    return
+                    continue
                 for (batch, group), episodes in page.groups().items():
                     if batch not in self._waiting or group != 0:
                         continue
@@ -143,6 +143,9 @@ class GroupWaiter:
                         result.set_result(episodes)
                 if not self._added.is_set():
                     self._cursor = page.next
+            # No await since `self._waiting` was found empty: a batch added from here on starts a
+            # new poll (this one still closes its client).
+            self._polling = None
 
 
 class LoopWaiter:

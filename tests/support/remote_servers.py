@@ -1,0 +1,65 @@
+"""Real OpenEnv servers (tests/support/openenv_server.py) in child processes, for the remote-env
+tests and bench: started on free ports, waited for, killed at the end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+
+from tests.support.ports import free_port
+
+START_TIMEOUT_SECONDS = 60.0
+
+
+@dataclass
+class EnvServer:
+    url: str
+    process: subprocess.Popen[bytes]
+
+    def sessions(self) -> dict[str, int]:
+        """{"active": sessions open now, "opened": ever} as the server counts them."""
+        return dict(httpx.get(f"{self.url}/test/sessions", timeout=5).json())
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(10)
+
+
+def start_server(max_sessions: int = 64, module: str = "tests.support.openenv_server") -> EnvServer:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, "--port", str(port), "--max-sessions", str(max_sessions)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{module} exited with {process.returncode} before it listened")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return EnvServer(url, process)
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"{module} did not answer /health within {START_TIMEOUT_SECONDS:g} s")
+
+
+@contextmanager
+def env_servers(count: int, max_sessions: int = 64) -> Iterator[list[EnvServer]]:
+    servers: list[EnvServer] = []
+    try:
+        for _ in range(count):
+            servers.append(start_server(max_sessions))
+        yield servers
+    finally:
+        for server in servers:
+            if server.process.poll() is None:
+                server.kill()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -249,3 +250,84 @@ async def test_a_server_that_comes_back_returns_to_placement(two_servers: list[E
         assert pool.servers[0].down is None
     finally:
         await envs.close()
+
+
+# ---- MCP tool servers (the official SDK's server and client). ----
+
+MCP_ENV = "remote/notebook"
+
+
+def notebook_oracle(prompt_text: str, key: str) -> str:
+    """Writes the word under its key, then answers it: reward 1.0."""
+    task = re.search(r"Store (\w+) under (k\d+), then answer", prompt_text)
+    assert task is not None, prompt_text
+    word, note = task.groups()
+    if '<tool_call>\n{"name": "write"' in prompt_text:
+        return word
+    call = {"name": "write", "arguments": {"key": note, "value": word}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def mcp_config(**where: Any) -> dict[str, Any]:
+    return {
+        "name": MCP_ENV,
+        "protocol": "mcp",
+        "splits": {"train": 8},
+        "tasks": "tests.support.mcp_server:notebook_tasks",
+        **where,
+    }
+
+
+STDIO = [sys.executable, "-m", "tests.support.mcp_server"]
+
+
+async def test_mcp_stdio_episodes_run_end_to_end(database_url: str) -> None:
+    sim = SimWorker(SimConfig(latency_seconds=0.01, policy=notebook_oracle))
+    remote = json.dumps([mcp_config(command=STDIO)])
+    with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+        settings = service_settings(database_url, sim_url, remote_envs=remote)
+        async with (
+            serve_app(create_app(settings)) as url,
+            httpx.AsyncClient(base_url=url, timeout=60) as client,
+        ):
+            body = {"env": MCP_ENV, "task_split": "train", "task_indices": [0, 1], "samples_per_task": 2}
+            accepted = (await client.post("/episodes", json=body | {"max_turns": 4})).json()
+            batch = (await client.get(f"/batches/{accepted['batch_id']}", params={"wait": 90})).json()
+            episodes = [(await client.get(f"/episodes/{id_}")).json() for id_ in accepted["episode_ids"]]
+    assert batch["counts"]["completed"] == 4, [episode["error"] for episode in episodes]
+    for episode in episodes:
+        assert episode["reward"] == 1.0
+        assert episode["info"]["word"]  # the task plugin's info reaches the trainer's records
+        tools = [(m["name"], m["content"]) for m in episode["messages"] if m["role"] == "tool"]
+        assert tools == [("write", f"stored k{episode['task_index']}")]
+        assert episode["messages"][0]["content"] == "Use the notebook tools, then answer."
+        assert_stored_episode_matches_sim(sim, episode)
+
+
+async def test_mcp_streamable_http_pool_places_calls_and_fails_a_dead_server_as_infrastructure() -> None:
+    with env_servers(2, module="tests.support.mcp_server", health="/mcp") as servers:
+        urls = [f"{server.url}/mcp" for server in servers]
+        envs = RemoteEnvs([RemoteEnvConfig.model_validate(mcp_config(urls=urls))], local=None)  # type: ignore[arg-type]
+        try:
+            first = await envs.open(MCP_ENV, "train", "e1")
+            second = await envs.open(MCP_ENV, "train", "e2")
+            assert {first.server.url, second.server.url} == set(urls)  # least-loaded
+            assert [tool["function"]["name"] for tool in first.tools] == ["write", "read"]
+            reset = await first.reset(2)
+            assert reset.observation == "Store stone under k2, then answer stone."
+            assert (
+                await first.step(Action("write", {"key": "k2", "value": "stone"}))
+            ).observation == "stored k2"
+            assert (await first.step(Action("read", {"key": "k2"}))).observation == "stone"
+            done = await first.step(Action(RESPOND_ACTION_NAME, {"content": "stone"}))
+            assert (done.reward, done.done) == (1.0, True)
+            await first.close()
+            dead = next(server for server in servers if f"{server.url}/mcp" == second.server.url)
+            dead.kill()
+            await second.reset(0)
+            with pytest.raises(EnvServerDown):
+                await second.step(Action("read", {"key": "k0"}))
+            await second.close()
+            assert envs.mcp[MCP_ENV].pool.servers[urls.index(second.server.url)].down is not None
+        finally:
+            await envs.close()

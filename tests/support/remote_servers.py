@@ -31,7 +31,10 @@ class EnvServer:
         self.process.wait(10)
 
 
-def start_server(max_sessions: int = 64, module: str = "tests.support.openenv_server") -> EnvServer:
+def start_server(
+    max_sessions: int = 64, module: str = "tests.support.openenv_server", health: str = "/health"
+) -> EnvServer:
+    """The server of `module` on a free port, once `health` answers (any HTTP status)."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", module, "--port", str(port), "--max-sessions", str(max_sessions)],
@@ -44,8 +47,8 @@ def start_server(max_sessions: int = 64, module: str = "tests.support.openenv_se
         if process.poll() is not None:
             raise RuntimeError(f"{module} exited with {process.returncode} before it listened")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return EnvServer(url, process)
+            httpx.get(f"{url}{health}", timeout=1)
+            return EnvServer(url, process)
         except httpx.HTTPError:
             time.sleep(0.1)
     process.kill()
@@ -53,11 +56,13 @@ def start_server(max_sessions: int = 64, module: str = "tests.support.openenv_se
 
 
 @contextmanager
-def env_servers(count: int, max_sessions: int = 64) -> Iterator[list[EnvServer]]:
+def env_servers(
+    count: int, max_sessions: int = 64, module: str = "tests.support.openenv_server", health: str = "/health"
+) -> Iterator[list[EnvServer]]:
     servers: list[EnvServer] = []
     try:
         for _ in range(count):
-            servers.append(start_server(max_sessions))
+            servers.append(start_server(max_sessions, module, health))
         yield servers
     finally:
         for server in servers:

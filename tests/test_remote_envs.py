@@ -55,6 +55,15 @@ def remote_config(servers: list[EnvServer], **overrides: Any) -> dict[str, Any]:
     }
 
 
+async def finished_batch(client: httpx.AsyncClient, batch_id: str) -> dict[str, Any]:
+    """The batch once complete (long-polls; a loaded shared machine may take minutes)."""
+    for _ in range(6):
+        batch: dict[str, Any] = (await client.get(f"/batches/{batch_id}", params={"wait": 30})).json()
+        if batch["complete"]:
+            break
+    return batch
+
+
 @pytest.fixture(scope="module")
 def two_servers() -> Iterator[list[EnvServer]]:
     with env_servers(2) as servers:
@@ -116,7 +125,7 @@ async def test_openenv_episodes_run_end_to_end_and_close_their_sessions(
         "max_turns": 4,
     }
     accepted = (await client.post("/episodes", json=body)).json()
-    batch = (await client.get(f"/batches/{accepted['batch_id']}", params={"wait": 60})).json()
+    batch = await finished_batch(client, accepted["batch_id"])
     episodes = [(await client.get(f"/episodes/{id_}")).json() for id_ in accepted["episode_ids"]]
     assert batch["counts"]["completed"] == 8, [episode["error"] for episode in episodes]
     for episode in episodes:
@@ -292,7 +301,7 @@ async def test_mcp_stdio_episodes_run_end_to_end(database_url: str) -> None:
         ):
             body = {"env": MCP_ENV, "task_split": "train", "task_indices": [0, 1], "samples_per_task": 2}
             accepted = (await client.post("/episodes", json=body | {"max_turns": 4})).json()
-            batch = (await client.get(f"/batches/{accepted['batch_id']}", params={"wait": 90})).json()
+            batch = await finished_batch(client, accepted["batch_id"])
             episodes = [(await client.get(f"/episodes/{id_}")).json() for id_ in accepted["episode_ids"]]
     assert batch["counts"]["completed"] == 4, [episode["error"] for episode in episodes]
     for episode in episodes:

@@ -1,5 +1,5 @@
 """Remote environments: episodes in flight against a pool of 2 real OpenEnv servers on loopback
-(tests/support/openenv_server.py, openenv-core's own server code), through RemoteEnvs as the
+(examples/openenv_counter/server.py, openenv-core's own server code), through RemoteEnvs as the
 episode runner uses it, against the same env in this service's env workers (EnvHost) as baseline.
 
 Each episode: open + reset (the server lists its tools), `add`, `submit` (reward 1.0), close:
@@ -45,7 +45,7 @@ MAX_ATTEMPTS = 3  # the worker's attempt budget (MAX_FAILED_ATTEMPTS) in the kil
 
 
 class LocalCounter:
-    """The counter env of tests/support/openenv_server.py as a local env (the baseline)."""
+    """The counter env of examples/openenv_counter/server.py as a local env (the baseline)."""
 
     system_prompt = "Use the tools."
     tools: list[dict[str, Any]] = []

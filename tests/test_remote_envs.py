@@ -1,5 +1,5 @@
 """Remote environments (service/envs/remote/): real OpenEnv servers built with openenv-core's own
-server code (tests/support/openenv_server.py) in child processes, reached through openenv-core's
+server code (examples/openenv_counter/server.py) in child processes, reached through openenv-core's
 client; episodes through the whole service on both databases, the pool's placement, caps, retries
 and faults."""
 
@@ -26,7 +26,7 @@ from service.sim.policy import SimConfig
 from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
 from tests.conftest import service_settings
 from tests.support.contract import assert_stored_episode_matches_sim
-from tests.support.remote_servers import EnvServer, env_servers
+from tests.support.remote_servers import MCP_SERVER, EnvServer, env_servers
 
 ENV = "remote/counter"
 
@@ -314,7 +314,7 @@ async def test_mcp_stdio_episodes_run_end_to_end(database_url: str) -> None:
 
 
 async def test_mcp_streamable_http_pool_places_calls_and_fails_a_dead_server_as_infrastructure() -> None:
-    with env_servers(2, module="tests.support.mcp_server", health="/mcp") as servers:
+    with env_servers(2, command=tuple(MCP_SERVER), health="/mcp") as servers:
         urls = [f"{server.url}/mcp" for server in servers]
         envs = RemoteEnvs([RemoteEnvConfig.model_validate(mcp_config(urls=urls))], local=None)  # type: ignore[arg-type]
         try:

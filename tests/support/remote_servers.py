@@ -1,5 +1,6 @@
-"""Real OpenEnv servers (tests/support/openenv_server.py) in child processes, for the remote-env
-tests and bench: started on free ports, waited for, killed at the end."""
+"""Real env servers in child processes, for the remote-env tests and bench: the example OpenEnv
+server (examples/openenv_counter/server.py) or the MCP server of tests/support/mcp_server.py,
+started on free ports, waited for, killed at the end."""
 
 from __future__ import annotations
 
@@ -9,12 +10,18 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from tests.support.ports import free_port
 
-START_TIMEOUT_SECONDS = 60.0
+START_TIMEOUT_SECONDS = 180.0  # a loaded shared machine imports openenv-core slowly
+OPENENV_SERVER = [
+    sys.executable,
+    str(Path(__file__).resolve().parents[2] / "examples/openenv_counter/server.py"),
+]
+MCP_SERVER = [sys.executable, "-m", "tests.support.mcp_server"]
 
 
 @dataclass
@@ -32,12 +39,12 @@ class EnvServer:
 
 
 def start_server(
-    max_sessions: int = 64, module: str = "tests.support.openenv_server", health: str = "/health"
+    max_sessions: int = 64, command: tuple[str, ...] = tuple(OPENENV_SERVER), health: str = "/health"
 ) -> EnvServer:
-    """The server of `module` on a free port, once `health` answers (any HTTP status)."""
+    """The server `command` runs, on a free port, once `health` answers (any HTTP status)."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", module, "--port", str(port), "--max-sessions", str(max_sessions)],
+        [*command, "--port", str(port), "--max-sessions", str(max_sessions)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -45,24 +52,27 @@ def start_server(
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{module} exited with {process.returncode} before it listened")
+            raise RuntimeError(f"{command} exited with {process.returncode} before it listened")
         try:
             httpx.get(f"{url}{health}", timeout=1)
             return EnvServer(url, process)
         except httpx.HTTPError:
             time.sleep(0.1)
     process.kill()
-    raise RuntimeError(f"{module} did not answer /health within {START_TIMEOUT_SECONDS:g} s")
+    raise RuntimeError(f"{command} did not answer /health within {START_TIMEOUT_SECONDS:g} s")
 
 
 @contextmanager
 def env_servers(
-    count: int, max_sessions: int = 64, module: str = "tests.support.openenv_server", health: str = "/health"
+    count: int,
+    max_sessions: int = 64,
+    command: tuple[str, ...] = tuple(OPENENV_SERVER),
+    health: str = "/health",
 ) -> Iterator[list[EnvServer]]:
     servers: list[EnvServer] = []
     try:
         for _ in range(count):
-            servers.append(start_server(max_sessions, module, health))
+            servers.append(start_server(max_sessions, command, health))
         yield servers
     finally:
         for server in servers:

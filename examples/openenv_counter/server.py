@@ -1,11 +1,13 @@
-"""Real OpenEnv servers for the remote-env tests and bench, built with openenv-core's own server
-code (HTTPEnvServer, MCPEnvironment, FastMCP tools) around a small test environment:
+"""An example OpenEnv environment server (docker/compose.yaml's `env-server` profile), also the
+real server of the remote-env tests and bench: openenv-core's own server code (HTTPEnvServer,
+MCPEnvironment, FastMCP tools) around a small environment:
 
 - `counter`: an MCP tool env. Reset with a task sets a target (task_index + 2); the tool `add(n)`
   adds to a counter and answers it; `submit(answer)` ends the episode, reward 1.0 if the answer
   is the target, else 0.0. `slow(seconds)` sleeps, for timeouts.
 
-Run one: `python -m tests.support.openenv_server --port 8123 [--max-sessions 64]`. Besides the
+Run one: `python examples/openenv_counter/server.py --port 8123 [--max-sessions 64]` (needs
+openenv-core: the service's `remote` extra, or `pip install openenv-core`). Besides the
 OpenEnv routes it serves GET /test/sessions: {"active": sessions open now, "opened": ever}.
 """
 
@@ -109,7 +111,7 @@ def create_counter_app(max_sessions: int = 64, session_timeout: float | None = 3
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 in a container")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-sessions", type=int, default=64)
     args = parser.parse_args()

@@ -192,3 +192,12 @@ def test_trainer_adapters_quick(capsys: pytest.CaptureFixture[str]) -> None:
     for way in ("bare_client", "slime", "verl", "trl", "skyrl"):
         assert_positive(result[way], "cold_seconds", "warm_seconds")
     assert "max_overhead_of_step" in result and result["verl_vs_slime_cold"] > 0
+
+
+def test_remote_envs_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("remote_envs")
+    report = bench.main(["--quick"])
+    assert last_json_line(capsys.readouterr().out) == report
+    assert report["remote"]["errors"] == 0 and report["remote"]["sessions_open_on_servers_after"] == 0
+    assert report["remote"]["cpu_ms_per_env_call"] > 0 < report["baseline_thread"]["cpu_ms_per_env_call"]
+    assert report["kill"]["lost"] == 0 and report["kill"]["reward_1"] == report["kill"]["episodes"]

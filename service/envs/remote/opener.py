@@ -44,10 +44,13 @@ class RemoteEnvs:
             for config in configs
             if config.protocol == "openenv"
         }
+        if self.pools:
+            require_extra("openenv")
         self._open: set[Any] = set()
         self.mcp: dict[str, Any] = {}
         for config in configs:
             if config.protocol == "mcp":
+                require_extra("mcp")
                 from service.envs.remote.mcp_tools import McpEnv
 
                 self.mcp[config.name] = McpEnv(config, self.metrics)
@@ -77,6 +80,21 @@ class RemoteEnvs:
         await asyncio.gather(*(session.close() for session in list(self._open)), return_exceptions=True)
         await asyncio.gather(*(pool.close() for pool in self.pools.values()))
         await self._http.aclose()
+
+
+def require_extra(protocol: str) -> None:
+    """Imports the client of `protocol` now, at start: a service configured with an env it cannot
+    reach does not start, saying what to install."""
+    try:
+        if protocol == "openenv":
+            from service.envs.remote import openenv  # noqa: F401
+        else:
+            from service.envs.remote import mcp_tools  # noqa: F401
+    except ImportError as error:
+        raise RuntimeError(
+            f"REMOTE_ENVS names {protocol} envs but their client is not installed ({error}): "
+            'pip install "rollout-service[remote]"'
+        ) from error
 
 
 class LazySession:

@@ -31,7 +31,7 @@ class EnvServer:
 
     def sessions(self) -> dict[str, int]:
         """{"active": sessions open now, "opened": ever} as the server counts them."""
-        return dict(httpx.get(f"{self.url}/test/sessions", timeout=5).json())
+        return dict(httpx.get(f"{self.url}/test/sessions", timeout=60).json())
 
     def kill(self) -> None:
         self.process.kill()

@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml client/pyproject.toml examples/helpdesk_env/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev,reasoning-gym]" -e ./client -e ./examples/helpdesk_env
+	$(BIN)/python -m pip install --quiet -e ".[dev,reasoning-gym,remote]" -e ./client -e ./examples/helpdesk_env
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -23,6 +23,7 @@ from service.app_state import Services
 from service.config import Settings
 from service.engine.pause import EnginePause
 from service.envs.registry import available_envs, with_loaders
+from service.envs.remote.config import env_spec, parse_remote_envs
 from service.loop.tokens import TokenTexts
 from service.loop.toolcalls import get_parser
 from service.metrics import Metrics
@@ -66,9 +67,11 @@ async def lifespan(
         tokenizers = await Tokenizers.load(settings, now=settings.run_worker)
         worker = None
         envs = with_loaders(available_envs(), settings.env_plugin_list)
+        remote = parse_remote_envs(settings.remote_envs)
+        envs |= {config.name: env_spec(config) for config in remote}
         if settings.run_worker:
             worker = await resources.enter_async_context(
-                episode_worker(settings, database, engine, tokenizers, endings, envs)
+                episode_worker(settings, database, engine, tokenizers, endings, envs, remote, metrics)
             )
 
         async def agent_turns() -> AgentTurns:

@@ -191,6 +191,13 @@ class Settings(BaseSettings):
     def _with_async_driver(cls, url: str) -> str:
         return async_url(url)
 
+    # Environments on servers of their own (service/envs/remote/, docs/remote-envs.md).
+    remote_envs: str = Field(
+        default="",
+        description="Remote environments (OpenEnv servers, MCP tool servers): a JSON list of "
+        "{name, protocol, urls, splits, ...}, or the path of a JSON or YAML file holding one.",
+    )
+
     @property
     def env_plugin_list(self) -> list[str]:
         return [loader.strip() for loader in self.env_plugins.split(",") if loader.strip()]

@@ -19,6 +19,8 @@ from service.engine.transport import SocketTransport
 from service.engine.vllm import VLLMClient
 from service.envs.base import EnvSpec
 from service.envs.host import EnvHost
+from service.envs.remote.config import RemoteEnvConfig
+from service.envs.remote.opener import RemoteEnvs
 from service.loop.driven import DrivingRunner
 from service.loop.runner import EpisodeRunner
 from service.loop.tokens import ChatTokenizer, HFTokenizer
@@ -152,9 +154,11 @@ async def episode_worker(
     tokenizers: Tokenizers,
     endings: Endings,
     envs: dict[str, EnvSpec],
+    remote: list[RemoteEnvConfig] | None = None,
+    metrics: Metrics | None = None,
 ) -> AsyncIterator[EpisodeWorker]:
     """The worker, running until the exit, when it drains before its env workers close; its env
-    workers run `envs` (plugins included)."""
+    workers run `envs` (plugins included), `remote` envs run on their servers."""
     env_host = EnvHost(
         settings.env_workers,
         settings.env_executor,
@@ -163,10 +167,11 @@ async def episode_worker(
         call_timeout_seconds=settings.env_call_timeout_seconds,
         envs=envs,
     )
+    remote_envs = RemoteEnvs(remote or [], env_host, metrics.registry if metrics is not None else None)
     try:
         runner = EpisodeRunner(
             engine,
-            env_host,
+            remote_envs,
             await tokenizers.chat.get(),
             get_parser(tokenizers.call_format),
             max_turn_resumes=settings.max_turn_resumes,
@@ -189,4 +194,5 @@ async def episode_worker(
             await worker.stop()
             await driving.close()
     finally:
+        await remote_envs.close()
         await env_host.close()

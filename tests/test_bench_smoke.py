@@ -223,3 +223,12 @@ def test_engines_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert_positive(
         result, "service_cpu_ms_per_turn_vllm", "service_cpu_ms_per_turn_sglang", "vllm_over_sglang"
     )
+
+
+def test_remote_envs_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("remote_envs")
+    report = bench.main(["--quick"])
+    assert last_json_line(capsys.readouterr().out) == report
+    assert report["remote"]["errors"] == 0 and report["remote"]["sessions_open_on_servers_after"] == 0
+    assert report["remote"]["cpu_ms_per_env_call"] > 0 < report["baseline_thread"]["cpu_ms_per_env_call"]
+    assert report["kill"]["lost"] == 0 and report["kill"]["reward_1"] == report["kill"]["episodes"]

@@ -7,6 +7,10 @@ from fastapi import APIRouter, Response
 from service.api.deps import ServicesDep
 from service.api.errors import DatabaseUnavailable, NotReady, responses
 from service.api.schemas import HealthOut, ReadyOut
+from service.app_state import Services
+from service.envs.remote.opener import RemoteEnvs
+from service.loop.driven import DrivingRunner
+from service.loop.runner import EpisodeRunner
 from service.metrics import PROMETHEUS_MEDIA_TYPE
 from service.storage.batches import status_counts
 
@@ -28,7 +32,16 @@ async def ready(services: ServicesDep) -> ReadyOut:
         raise NotReady(f"not ready: database {database}; engine {engine}")
     if (paused := await services.pause.paused()) is not None:
         raise NotReady(f"not ready: {paused}")
-    return ReadyOut(ready=True, database=database, engine=engine)
+    return ReadyOut(ready=True, database=database, engine=engine, env_servers=env_servers(services))
+
+
+def env_servers(services: Services) -> dict[str, str]:
+    """Each remote env server's state ("ok" or "down: why"), where this process runs episodes."""
+    runner = services.worker.runner if services.worker is not None else None
+    if isinstance(runner, DrivingRunner):  # agent-driven envs aside, its loop runs the rest
+        runner = runner.inner
+    envs = runner.envs if isinstance(runner, EpisodeRunner) else None
+    return envs.servers() if isinstance(envs, RemoteEnvs) else {}
 
 
 # HEAD as GET (the server sends no body), for probes that use it; each method its own operation.

@@ -463,3 +463,5 @@ class ReadyOut(BaseModel):
     ready: bool
     database: str
     engine: str
+    # Remote env servers (REMOTE_ENVS) by "<env> <url>": "ok", or "down: why" while out of placement.
+    env_servers: dict[str, str] = Field(default_factory=dict)

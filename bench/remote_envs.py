@@ -1,0 +1,235 @@
+"""Remote environments: episodes in flight against a pool of 2 real OpenEnv servers on loopback
+(examples/openenv_counter/server.py, openenv-core's own server code), through RemoteEnvs as the
+episode runner uses it, against the same env in this service's env workers (EnvHost) as baseline.
+
+Each episode: open + reset (the server lists its tools), `add`, `submit` (reward 1.0), close:
+three env calls as the runner counts them (reset, two steps). Reported:
+- `remote`: every episode in flight at once (--episodes, default 2,000): errors, sessions the
+  servers still hold at the end (0 expected), this process's CPU per env call;
+- `baseline_thread` / `baseline_process`: the same episodes against the same env logic run by
+  EnvHost (thread executor: the env's own CPU counted here; process executor: in its workers);
+- `overhead`: sequential steps on one session, p50 through RemoteEnvs vs openenv-core's bare
+  client on the same server (what this layer adds per call);
+- `kill`: a batch with one server killed mid-way; episodes that fail as infrastructure are re-run
+  (as the worker does within its attempt budget) and must all complete with reward 1.0.
+Run from the repo root: .venv/bin/python bench/remote_envs.py [--episodes N] [--quick]
+The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from openenv.core.env_server.mcp_types import CallToolAction
+from openenv.core.generic_client import GenericEnvClient
+
+from bench.common import percentiles_ms
+from service.envs.base import Action, EnvSpec, Reset, Step, UserSimConfig
+from service.envs.host import EnvHost
+from service.envs.remote.config import RemoteEnvConfig
+from service.envs.remote.errors import EnvServerDown
+from service.envs.remote.opener import RemoteEnvs
+from tests.support.remote_servers import EnvServer, env_servers
+
+ENV = "remote/counter"
+CALLS_PER_EPISODE = 3  # reset, add, submit
+MAX_ATTEMPTS = 3  # the worker's attempt budget (MAX_FAILED_ATTEMPTS) in the kill run
+
+
+class LocalCounter:
+    """The counter env of examples/openenv_counter/server.py as a local env (the baseline)."""
+
+    system_prompt = "Use the tools."
+    tools: list[dict[str, Any]] = []
+
+    def __init__(self, split: str, user_sim: UserSimConfig) -> None:
+        self.counter = self.target = 0
+
+    def reset(self, task_index: int) -> Reset:
+        self.counter, self.target = 0, task_index + 2
+        return Reset(observation=f"Reach {self.target} with add, then submit it.")
+
+    def step(self, action: Action) -> Step:
+        if action.name == "add":
+            self.counter += int(action.kwargs["n"])
+            return Step(observation=str(self.counter), reward=0.0, done=False)
+        right = str(action.kwargs["answer"]) == str(self.target)
+        return Step(observation="right" if right else "wrong", reward=float(right), done=True)
+
+
+def local_counter(split: str, user_sim: UserSimConfig) -> LocalCounter:
+    return LocalCounter(split, user_sim)
+
+
+async def episode(envs: Any, index: int, added: asyncio.Queue[int] | None = None) -> float:
+    session = await envs.open(ENV, "train", f"e{index}")
+    try:
+        await session.reset(index)
+        await session.step(Action("add", {"n": index + 2}))
+        if added is not None:  # the kill run: hold the session open until the kill
+            added.put_nowait(index)
+            await asyncio.sleep(1.0)
+        step = await session.step(Action("submit", {"answer": str(index + 2)}))
+        return float(step.reward)
+    finally:
+        await session.close()
+
+
+async def run_batch(envs: Any, episodes: int) -> dict[str, Any]:
+    cpu, wall = time.process_time(), time.perf_counter()
+    results = await asyncio.gather(*(episode(envs, i) for i in range(episodes)), return_exceptions=True)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    errors = [r for r in results if isinstance(r, BaseException)]
+    return {
+        "episodes": episodes,
+        "errors": len(errors),
+        "first_error": repr(errors[0]) if errors else None,
+        "rewards_1": sum(1 for r in results if r == 1.0),
+        "wall_seconds": round(wall, 3),
+        "cpu_ms_per_env_call": round(1000 * cpu / (episodes * CALLS_PER_EPISODE), 4),
+    }
+
+
+def remote_config(servers: list[EnvServer], cap: int) -> RemoteEnvConfig:
+    return RemoteEnvConfig(
+        name=ENV,
+        protocol="openenv",
+        urls=[server.url for server in servers],
+        splits={"train": 100_000},
+        max_sessions_per_server=cap,
+        connect_timeout_seconds=60,
+        call_timeout_seconds=120,
+        placement_timeout_seconds=300,
+        health_interval_seconds=0.5,
+    )
+
+
+async def remote_run(servers: list[EnvServer], episodes: int) -> dict[str, Any]:
+    envs = RemoteEnvs([remote_config(servers, episodes)], local=None)  # type: ignore[arg-type]
+    try:
+        result = await run_batch(envs, episodes)
+    finally:
+        await envs.close()
+    await asyncio.sleep(0.5)
+    result["sessions_open_on_servers_after"] = sum(s.sessions()["active"] for s in servers)
+    return result
+
+
+async def baseline_run(executor: str, episodes: int) -> dict[str, Any]:
+    spec = EnvSpec(name=ENV, splits={"train": 100_000}, description="", factory=local_counter)
+    host = EnvHost(1, executor, envs={ENV: spec})  # type: ignore[arg-type]
+    try:
+        await host.worker_pids()  # started before the clock
+        return await run_batch(host, episodes)
+    finally:
+        await host.close()
+
+
+async def overhead(server: EnvServer, steps: int) -> dict[str, Any]:
+    envs = RemoteEnvs([remote_config([server], 4)], local=None)  # type: ignore[arg-type]
+    ours: list[float] = []
+    bare: list[float] = []
+    try:
+        session = await envs.open(ENV, "train", "overhead")
+        await session.reset(0)
+        client = GenericEnvClient(base_url=server.url)
+        await client.reset(task_index=0)
+        for _ in range(steps):
+            started = time.perf_counter()
+            await session.step(Action("add", {"n": 1}))
+            ours.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            await client.step(CallToolAction(tool_name="add", arguments={"n": 1}))
+            bare.append(time.perf_counter() - started)
+        await client.close()
+        await session.close()
+    finally:
+        await envs.close()
+    ours_ms, bare_ms = percentiles_ms(ours), percentiles_ms(bare)
+    return {
+        "steps": steps,
+        "remote_envs_ms": ours_ms,
+        "bare_openenv_client_ms": bare_ms,
+        "p50_added_ms": round(ours_ms["p50_ms"] - bare_ms["p50_ms"], 3),
+    }
+
+
+async def kill_run(servers: list[EnvServer], episodes: int) -> dict[str, Any]:
+    envs = RemoteEnvs([remote_config(servers, episodes)], local=None)  # type: ignore[arg-type]
+    reruns = 0
+    lost = 0
+    added: asyncio.Queue[int] = asyncio.Queue()
+
+    async def with_attempts(index: int) -> float:
+        nonlocal reruns, lost
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                return await episode(envs, index, added)
+            except EnvServerDown:
+                reruns += attempt + 1 < MAX_ATTEMPTS
+        lost += 1
+        return -1.0
+
+    try:
+        batch = asyncio.gather(*(with_attempts(i) for i in range(episodes)))
+        for _ in range(episodes // 2):  # half the batch is mid-episode (reset, one tool call)
+            await added.get()
+        placed = [s.sessions for s in envs.pools[ENV].servers]
+        servers[0].kill()
+        rewards = await batch
+    finally:
+        await envs.close()
+    await asyncio.sleep(0.5)
+    return {
+        "episodes": episodes,
+        "sessions_per_server_at_kill": placed,
+        "completed": sum(1 for r in rewards if r >= 0),
+        "reward_1": sum(1 for r in rewards if r == 1.0),
+        "reward_0": sum(1 for r in rewards if r == 0.0),
+        "reruns": reruns,
+        "lost": lost,
+        "sessions_open_on_live_server_after": servers[1].sessions()["active"],
+    }
+
+
+async def main_async(episodes: int, kill_episodes: int, steps: int) -> dict[str, Any]:
+    with env_servers(2, max_sessions=episodes) as servers:
+        report: dict[str, Any] = {"servers": 2}
+        report["remote"] = await remote_run(servers, episodes)
+        report["baseline_thread"] = await baseline_run("thread", episodes)
+        report["baseline_process"] = await baseline_run("process", episodes)
+        report["overhead"] = await overhead(servers[1], steps)
+    with env_servers(2, max_sessions=kill_episodes) as servers:
+        report["kill"] = await kill_run(servers, kill_episodes)
+    remote_cpu = report["remote"]["cpu_ms_per_env_call"]
+    report["cpu_ratio_vs_thread"] = round(remote_cpu / report["baseline_thread"]["cpu_ms_per_env_call"], 3)
+    report["cpu_ratio_vs_process"] = round(remote_cpu / report["baseline_process"]["cpu_ms_per_env_call"], 3)
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--episodes", type=int, default=2000)
+    parser.add_argument("--kill-episodes", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="a tiny run (tests/test_bench_smoke.py)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.episodes, args.kill_episodes, args.steps = 20, 10, 20
+    report = asyncio.run(main_async(args.episodes, args.kill_episodes, args.steps))
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Remote environments by configuration: the REMOTE_ENVS setting, a JSON list (or the path of a
+JSON or YAML file holding one) of RemoteEnvConfig, each listed by GET /envs like any env.
+
+    REMOTE_ENVS='[{"name": "remote/echo", "protocol": "openenv",
+                   "urls": ["http://env-a:8000", "http://env-b:8000"], "splits": {"train": 1000}}]'
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from service.envs.base import EnvSpec, UserSimConfig
+
+Protocol = Literal["openenv", "mcp"]
+
+
+class RemoteEnvConfig(BaseModel):
+    """One remote environment: where its servers are and what its tasks are."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=128, description="The env's name in GET /envs and submits.")
+    protocol: Protocol = Field(
+        description="`openenv`: OpenEnv servers (WebSocket sessions; MCP tools as the policy's tools). "
+        "`mcp`: MCP tool servers (streamable HTTP URLs, or `command` for stdio), with tasks and reward "
+        "from `tasks`."
+    )
+    urls: list[str] = Field(
+        default_factory=list,
+        description="Base URLs of the pool's servers (OpenEnv: http://h:8000; MCP: .../mcp).",
+    )
+    command: list[str] = Field(
+        default_factory=list,
+        description="MCP over stdio: the server's command line, one process per episode.",
+    )
+    splits: dict[str, int] = Field(description="Split name -> number of tasks (a task is its index).")
+    train_split: str | None = Field(default=None, description="The split a submit without task_split runs.")
+    description: str = ""
+    tasks: str = Field(
+        default="",
+        description="MCP envs: `module:function` returning the env's McpTasks (prompts and reward).",
+    )
+    system_prompt: str = Field(default="", description="The policy's system message (OpenEnv envs).")
+    respond_tool: str = Field(
+        default="",
+        description="OpenEnv envs: the tool a plain answer (no tool call) is sent to, with the answer as "
+        "`respond_argument`; empty: a plain answer ends the episode with the reward given so far.",
+    )
+    respond_argument: str = "answer"
+    reset_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Sent with every reset, besides seed/task_index/split/episode_id."
+    )
+    max_sessions_per_server: int = Field(default=64, ge=1, description="Sessions in flight per server.")
+    connect_timeout_seconds: float = Field(default=10.0, gt=0)
+    call_timeout_seconds: float = Field(default=60.0, gt=0, description="One reset or tool call.")
+    reset_retries: int = Field(
+        default=3, ge=0, description="Retries of an open/reset that did not take effect, with jitter."
+    )
+    retry_backoff_seconds: float = Field(default=0.2, ge=0)
+    health_interval_seconds: float = Field(default=2.0, gt=0)
+    placement_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="How long a new episode waits for a server with a free slot."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RemoteEnvConfig:
+        if self.protocol == "openenv" and not self.urls:
+            raise ValueError(f"remote env {self.name!r}: an openenv env needs urls")
+        if self.protocol == "mcp":
+            if bool(self.urls) == bool(self.command):
+                raise ValueError(f"remote env {self.name!r}: an mcp env needs urls or command (one of them)")
+            if not self.tasks:
+                raise ValueError(f"remote env {self.name!r}: an mcp env needs tasks (module:function)")
+        if self.train_split is not None and self.train_split not in self.splits:
+            raise ValueError(f"remote env {self.name!r}: train_split {self.train_split!r} is not a split")
+        return self
+
+
+CONFIGS = TypeAdapter(list[RemoteEnvConfig])
+
+
+def parse_remote_envs(text: str) -> list[RemoteEnvConfig]:
+    """REMOTE_ENVS: a JSON list, or the path of a .json/.yaml/.yml file holding one; "" is none.
+    Raises ValueError naming the problem."""
+    text = text.strip()
+    if not text:
+        return []
+    if text.startswith("["):
+        data: Any = json.loads(text)
+    else:
+        path = Path(text)
+        if not path.is_file():
+            raise ValueError(f"REMOTE_ENVS is neither a JSON list nor a file: {text!r}")
+        body = path.read_text()
+        data = yaml.safe_load(body) if path.suffix in (".yaml", ".yml") else json.loads(body)
+    configs = CONFIGS.validate_python(data)
+    names = [config.name for config in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"REMOTE_ENVS names an env twice: {names}")
+    return configs
+
+
+def runs_remotely(name: str, split: str, user_sim: UserSimConfig) -> Any:
+    """The factory of a remote env's spec: never called (the service opens remote sessions itself,
+    not in an env worker)."""
+    raise RuntimeError(f"{name!r} runs on its env servers, not in an env worker")
+
+
+def env_spec(config: RemoteEnvConfig) -> EnvSpec:
+    where = ", ".join(config.urls) or " ".join(config.command)
+    return EnvSpec(
+        name=config.name,
+        splits=dict(config.splits),
+        description=config.description or f"{config.protocol} env served by {where}",
+        factory=functools.partial(runs_remotely, config.name),
+        train_split=config.train_split,
+        source=f"REMOTE_ENVS ({config.protocol})",
+    )

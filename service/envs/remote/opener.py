@@ -1,0 +1,130 @@
+"""The episode runner's env opener with remote envs: an episode of a REMOTE_ENVS env opens a
+session on a server of its pool, here on the event loop; every other env opens in the env workers
+(EnvHost). The clients (openenv-core, mcp: the `remote` extra) are imported only where a remote env
+of theirs is configured."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from service.envs.remote.config import RemoteEnvConfig
+from service.envs.remote.pool import PoolMetrics, ServerPool
+
+
+class EnvOpener(Protocol):
+    """What the episode runner opens sessions with (loop/runner.py's EnvOpener): EnvHost."""
+
+    async def open(self, env_name: str, split: str, episode_key: str) -> Any: ...
+
+
+class RemoteEnvs:
+    """An EnvOpener: REMOTE_ENVS envs on their servers, the rest on `local` (the EnvHost)."""
+
+    def __init__(
+        self, configs: list[RemoteEnvConfig], local: EnvOpener, registry: CollectorRegistry | None = None
+    ) -> None:
+        self.local = local
+        self.configs = {config.name: config for config in configs}
+        self.metrics = PoolMetrics(registry)
+        self._http = httpx.AsyncClient(timeout=5.0)
+        self.pools = {
+            config.name: ServerPool(
+                config.name,
+                config.urls,
+                max_sessions_per_server=config.max_sessions_per_server,
+                health_check=self._health_check,
+                metrics=self.metrics,
+                health_interval_seconds=config.health_interval_seconds,
+                placement_timeout_seconds=config.placement_timeout_seconds,
+            )
+            for config in configs
+            if config.protocol == "openenv"
+        }
+        if self.pools:
+            require_extra("openenv")
+        self._open: set[Any] = set()
+        self.mcp: dict[str, Any] = {}
+        for config in configs:
+            if config.protocol == "mcp":
+                require_extra("mcp")
+                from service.envs.remote.mcp_tools import McpEnv
+
+                self.mcp[config.name] = McpEnv(config, self.metrics)
+
+    async def _health_check(self, url: str) -> None:
+        response = await self._http.get(f"{url}/health")
+        response.raise_for_status()
+
+    async def open(self, env_name: str, split: str, episode_key: str) -> Any:
+        config = self.configs.get(env_name)
+        if config is None:
+            return await self.local.open(env_name, split, episode_key)
+        if config.protocol == "mcp":
+            return await self.mcp[env_name].open(split, episode_key)
+        return LazySession(self, config, split, episode_key)
+
+    def servers(self) -> dict[str, str]:
+        """Each server's state, for /ready: "ok" or "down: why"."""
+        return {
+            f"{name} {server.url}": server.describe()
+            for name, pool in self.pools.items()
+            for server in pool.servers
+        }
+
+    async def close(self) -> None:
+        """Closes sessions still open (shutdown) and stops the health checks."""
+        await asyncio.gather(*(session.close() for session in list(self._open)), return_exceptions=True)
+        await asyncio.gather(*(pool.close() for pool in self.pools.values()))
+        await self._http.aclose()
+
+
+def require_extra(protocol: str) -> None:
+    """Imports the client of `protocol` now, at start: a service configured with an env it cannot
+    reach does not start, saying what to install."""
+    try:
+        if protocol == "openenv":
+            from service.envs.remote import openenv  # noqa: F401
+        else:
+            from service.envs.remote import mcp_tools  # noqa: F401
+    except ImportError as error:
+        raise RuntimeError(
+            f"REMOTE_ENVS names {protocol} envs but their client is not installed ({error}): "
+            'pip install "rollout-service[remote]"'
+        ) from error
+
+
+class LazySession:
+    """An OpenEnv episode's session: the runner opens it, then resets it with the task; the server
+    session is made at the reset (OpenEnv resets and opens in one placement, so that a reset that
+    did not take effect is retried on another server)."""
+
+    def __init__(self, envs: RemoteEnvs, config: RemoteEnvConfig, split: str, episode_key: str) -> None:
+        self.envs = envs
+        self.config = config
+        self.split = split
+        self.episode_key = episode_key
+        self.system_prompt = config.system_prompt
+        self.tools: list[dict[str, Any]] = []
+        self.session: Any = None  # an openenv.OpenEnvSession once reset
+
+    async def reset(self, task_index: int) -> Any:
+        from service.envs.remote import openenv
+
+        pool = self.envs.pools[self.config.name]
+        self.envs._open.add(self)
+        self.session = await openenv.open_session(self.config, pool, self.split, task_index, self.episode_key)
+        self.tools = self.session.tools
+        return await self.session.reset(task_index)
+
+    async def step(self, action: Any) -> Any:
+        assert self.session is not None, "a session is reset before its steps"
+        return await self.session.step(action)
+
+    async def close(self) -> None:
+        self.envs._open.discard(self)
+        if self.session is not None:
+            await self.session.close()

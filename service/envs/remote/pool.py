@@ -1,0 +1,240 @@
+"""A pool of env servers: placement of new sessions on the least-loaded healthy server under a
+per-server cap, health checks that take a failing server out of placement until it answers again,
+and per-server metrics (sessions open, calls, latency, errors by kind)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from service.envs.remote.errors import EnvServerDown
+
+logger = logging.getLogger(__name__)
+
+CALL_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+HEALTH_FAILURES = 3  # health checks failed in a row before a server leaves placement
+ERROR_KINDS = ("connect", "timeout", "closed", "capacity", "server")
+
+
+class PoolMetrics:
+    """Per-server series in the app's registry: rollout_env_server_*{env, server}."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        registry = registry if registry is not None else CollectorRegistry()
+        labels = ["env", "server"]
+        self.sessions_open = Gauge(
+            "rollout_env_server_sessions_open", "Sessions open on the env server.", labels, registry=registry
+        )
+        self.up = Gauge(
+            "rollout_env_server_up",
+            "1 while the env server is in placement, 0 while it is down.",
+            labels,
+            registry=registry,
+        )
+        self.calls = Counter(
+            "rollout_env_server_calls",
+            "Calls to the env server, by kind.",
+            [*labels, "call"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "rollout_env_server_call_seconds",
+            "Latency of calls to the env server (reset, step, tool list, open).",
+            labels,
+            buckets=CALL_BUCKETS_SECONDS,
+            registry=registry,
+        )
+        self.errors = Counter(
+            "rollout_env_server_errors",
+            f"Failed calls to the env server, by kind ({', '.join(ERROR_KINDS)}).",
+            [*labels, "kind"],
+            registry=registry,
+        )
+
+
+@dataclass(eq=False)
+class Server:
+    """One env server of a pool, as placement sees it."""
+
+    url: str
+    cap: int  # sessions in flight at most
+    sessions: int = 0  # open now
+    down: str | None = None  # why it is out of placement; None while healthy
+    failed_checks: int = 0  # health checks failed in a row
+    calls: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return self.down is None
+
+    def describe(self) -> str:
+        return "ok" if self.down is None else f"down: {self.down}"
+
+
+class CallTimer:
+    """Observes a call's latency in the server's histogram (a plain class: one per env call, where
+    a generator-based context manager cost more CPU, profiled)."""
+
+    __slots__ = ("_histogram", "_started")
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        self._started = 0.0
+
+    async def __aenter__(self) -> None:
+        self._started = time.perf_counter()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._histogram.observe(time.perf_counter() - self._started)
+
+
+HealthCheck = Callable[[str], Awaitable[None]]  # raises if the server at the URL is not healthy
+
+
+class ServerPool:
+    """The servers of one remote env. `session()` places an episode on the least-loaded healthy
+    server with a free slot (waiting up to `placement_timeout_seconds` for one), and holds the slot
+    until the episode's session is closed (sticky: an episode stays on its server)."""
+
+    def __init__(
+        self,
+        env: str,
+        urls: list[str],
+        *,
+        max_sessions_per_server: int,
+        health_check: HealthCheck,
+        metrics: PoolMetrics,
+        health_interval_seconds: float = 2.0,
+        placement_timeout_seconds: float = 30.0,
+    ) -> None:
+        if not urls:
+            raise ValueError(f"remote env {env!r} has no server URLs")
+        self.env = env
+        self.servers = [Server(url.rstrip("/"), max_sessions_per_server) for url in urls]
+        self.metrics = metrics
+        self.health_interval_seconds = health_interval_seconds
+        self.placement_timeout_seconds = placement_timeout_seconds
+        self._health_check = health_check
+        self._changed = asyncio.Condition()
+        self._turns = itertools.count()
+        self._checker: asyncio.Task[None] | None = None
+        for server in self.servers:
+            metrics.up.labels(env, server.url).set(1)
+            metrics.sessions_open.labels(env, server.url).set(0)
+
+    # ---- Placement. ----
+
+    def _pick(self, avoid: frozenset[str]) -> Server | None:
+        free = [s for s in self.servers if s.healthy and s.sessions < s.cap and s.url not in avoid]
+        if not free:
+            free = [s for s in self.servers if s.healthy and s.sessions < s.cap]
+        if not free:
+            return None
+        least = min(s.sessions for s in free)
+        candidates = [s for s in free if s.sessions == least]
+        return candidates[next(self._turns) % len(candidates)]  # ties in turn
+
+    async def acquire(self, avoid: frozenset[str] = frozenset()) -> Server:
+        """A slot on the least-loaded healthy server (not in `avoid` unless it is the only one);
+        EnvServerDown if none frees within the placement timeout."""
+        self.start()
+        try:
+            async with asyncio.timeout(self.placement_timeout_seconds), self._changed:
+                while (server := self._pick(avoid)) is None:
+                    await self._changed.wait()
+        except TimeoutError:
+            raise EnvServerDown(
+                f"no server of remote env {self.env!r} could take an episode within "
+                f"{self.placement_timeout_seconds:g} s: {self.describe()}"
+            ) from None
+        server.sessions += 1
+        self.metrics.sessions_open.labels(self.env, server.url).set(server.sessions)
+        return server
+
+    async def release(self, server: Server) -> None:
+        server.sessions -= 1
+        self.metrics.sessions_open.labels(self.env, server.url).set(server.sessions)
+        async with self._changed:
+            self._changed.notify_all()
+
+    def call(self, server: Server, what: str) -> CallTimer:
+        """Counts and times one call to `server` (`async with pool.call(server, "step"): ...`)."""
+        server.calls += 1
+        self.metrics.calls.labels(self.env, server.url, what).inc()
+        return CallTimer(self.metrics.latency.labels(self.env, server.url))
+
+    def failed(self, server: Server, kind: str, reason: str) -> None:
+        """Counts an error of `kind`; a server that cannot be reached leaves placement until its
+        health check passes."""
+        server.errors[kind] = server.errors.get(kind, 0) + 1
+        self.metrics.errors.labels(self.env, server.url, kind).inc()
+        if kind in ("connect", "closed", "timeout") and server.down is None:
+            self.mark_down(server, f"{kind}: {reason}")
+
+    def mark_down(self, server: Server, reason: str) -> None:
+        if server.down is None:
+            logger.warning("env server %s of %s is down: %s", server.url, self.env, reason)
+        server.down = reason
+        self.metrics.up.labels(self.env, server.url).set(0)
+
+    async def _mark_up(self, server: Server) -> None:
+        logger.info("env server %s of %s is back", server.url, self.env)
+        server.down = None
+        self.metrics.up.labels(self.env, server.url).set(1)
+        async with self._changed:
+            self._changed.notify_all()
+
+    def describe(self) -> str:
+        return "; ".join(f"{s.url} {s.describe()} ({s.sessions}/{s.cap} sessions)" for s in self.servers)
+
+    # ---- Health checks. ----
+
+    def start(self) -> None:
+        if self._checker is None:
+            self._checker = asyncio.get_running_loop().create_task(self._check_forever())
+
+    async def check(self) -> None:
+        """Checks every server once: a failing one leaves placement, a passing one returns."""
+        results = await asyncio.gather(
+            *(self._health_check(s.url) for s in self.servers), return_exceptions=True
+        )
+        for server, result in zip(self.servers, results, strict=True):
+            if isinstance(result, BaseException):
+                server.failed_checks += 1
+                # A busy server may miss one probe; HEALTH_FAILURES in a row take it out.
+                if server.failed_checks >= HEALTH_FAILURES or server.down is not None:
+                    self.mark_down(server, f"health check failed: {type(result).__name__}: {result}")
+                continue
+            server.failed_checks = 0
+            if server.down is not None:
+                await self._mark_up(server)
+
+    async def _check_forever(self) -> None:
+        while True:
+            # Jittered, so that many service processes do not probe in step.
+            await asyncio.sleep(self.health_interval_seconds * random.uniform(0.8, 1.2))
+            try:
+                await self.check()
+            except Exception:  # a probe must never end the checker
+                logger.exception("health check of %s failed", self.env)
+
+    async def close(self) -> None:
+        if self._checker is not None:
+            self._checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checker
+            self._checker = None
+
+
+async def backoff(attempt: int, base_seconds: float) -> None:
+    """Full jitter: a random wait up to base * 2**attempt, so that retries spread out."""
+    await asyncio.sleep(random.uniform(0, base_seconds * 2**attempt))

@@ -1,0 +1,80 @@
+"""Real env servers in child processes, for the remote-env tests and bench: the example OpenEnv
+server (examples/openenv_counter/server.py) or the MCP server of tests/support/mcp_server.py,
+started on free ports, waited for, killed at the end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tests.support.ports import free_port
+
+START_TIMEOUT_SECONDS = 180.0  # a loaded shared machine imports openenv-core slowly
+OPENENV_SERVER = [
+    sys.executable,
+    str(Path(__file__).resolve().parents[2] / "examples/openenv_counter/server.py"),
+]
+MCP_SERVER = [sys.executable, "-m", "tests.support.mcp_server"]
+
+
+@dataclass
+class EnvServer:
+    url: str
+    process: subprocess.Popen[bytes]
+
+    def sessions(self) -> dict[str, int]:
+        """{"active": sessions open now, "opened": ever} as the server counts them."""
+        return dict(httpx.get(f"{self.url}/test/sessions", timeout=60).json())
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(10)
+
+
+def start_server(
+    max_sessions: int = 64, command: tuple[str, ...] = tuple(OPENENV_SERVER), health: str = "/health"
+) -> EnvServer:
+    """The server `command` runs, on a free port, once `health` answers (any HTTP status)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [*command, "--port", str(port), "--max-sessions", str(max_sessions)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{command} exited with {process.returncode} before it listened")
+        try:
+            httpx.get(f"{url}{health}", timeout=1)
+            return EnvServer(url, process)
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"{command} did not answer /health within {START_TIMEOUT_SECONDS:g} s")
+
+
+@contextmanager
+def env_servers(
+    count: int,
+    max_sessions: int = 64,
+    command: tuple[str, ...] = tuple(OPENENV_SERVER),
+    health: str = "/health",
+) -> Iterator[list[EnvServer]]:
+    servers: list[EnvServer] = []
+    try:
+        for _ in range(count):
+            servers.append(start_server(max_sessions, command, health))
+        yield servers
+    finally:
+        for server in servers:
+            if server.process.poll() is None:
+                server.kill()

@@ -1,0 +1,342 @@
+"""Remote environments (service/envs/remote/): real OpenEnv servers built with openenv-core's own
+server code (examples/openenv_counter/server.py) in child processes, reached through openenv-core's
+client; episodes through the whole service on both databases, the pool's placement, caps, retries
+and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from service.app import create_app
+from service.envs.base import RESPOND_ACTION_NAME, Action
+from service.envs.remote.config import RemoteEnvConfig, parse_remote_envs
+from service.envs.remote.errors import EnvServerDown, EnvServerTimeout
+from service.envs.remote.opener import RemoteEnvs
+from service.serving import serve_app
+from service.sim.policy import SimConfig
+from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
+from tests.conftest import service_settings
+from tests.support.contract import assert_stored_episode_matches_sim
+from tests.support.remote_servers import MCP_SERVER, EnvServer, env_servers
+
+ENV = "remote/counter"
+
+
+def counter_oracle(prompt_text: str, key: str) -> str:
+    """Adds the target once, then submits it: reward 1.0."""
+    target = re.search(r"Reach (\d+) with add", prompt_text)
+    assert target is not None, prompt_text
+    added = '<tool_call>\n{"name": "add"' in prompt_text
+    name, arguments = (
+        ("submit", {"answer": target.group(1)}) if added else ("add", {"n": int(target.group(1))})
+    )
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def remote_config(servers: list[EnvServer], **overrides: Any) -> dict[str, Any]:
+    return {
+        "name": ENV,
+        "protocol": "openenv",
+        "urls": [server.url for server in servers],
+        "splits": {"train": 50, "test": 10},
+        "train_split": "train",
+        "system_prompt": "Use the tools.",
+        "health_interval_seconds": 0.3,
+        **overrides,
+    }
+
+
+async def finished_batch(client: httpx.AsyncClient, batch_id: str) -> dict[str, Any]:
+    """The batch once complete (long-polls; a loaded shared machine may take minutes)."""
+    for _ in range(6):
+        batch: dict[str, Any] = (await client.get(f"/batches/{batch_id}", params={"wait": 30})).json()
+        if batch["complete"]:
+            break
+    return batch
+
+
+@pytest.fixture(scope="module")
+def two_servers() -> Iterator[list[EnvServer]]:
+    with env_servers(2) as servers:
+        yield servers
+
+
+def wait_closed(servers: list[EnvServer]) -> None:
+    """Every server reports 0 sessions open (closing is asynchronous on the server's side)."""
+    for _ in range(100):
+        if all(server.sessions()["active"] == 0 for server in servers if server.process.poll() is None):
+            return
+        time.sleep(0.05)
+    raise AssertionError([server.sessions() for server in servers])
+
+
+def test_the_setting_parses_and_names_what_is_wrong(tmp_path: Any) -> None:
+    (config,) = parse_remote_envs(
+        json.dumps([{"name": "a/b", "protocol": "openenv", "urls": ["http://x:1"], "splits": {"train": 3}}])
+    )
+    assert config.max_sessions_per_server == 64 and config.urls == ["http://x:1"]
+    path = tmp_path / "envs.yaml"
+    path.write_text("- {name: a/b, protocol: openenv, urls: ['http://x:1'], splits: {train: 3}}\n")
+    assert parse_remote_envs(str(path)) == [config]
+    with pytest.raises(ValueError, match="needs urls"):
+        parse_remote_envs('[{"name": "a", "protocol": "openenv", "splits": {}}]')
+    with pytest.raises(ValueError, match="splits"):
+        parse_remote_envs('[{"name": "a", "protocol": "openenv", "urls": ["http://x"]}]')
+    with pytest.raises(ValueError, match="neither a JSON list nor a file"):
+        parse_remote_envs("/nowhere.json")
+
+
+@pytest.fixture
+async def service(
+    database_url: str, two_servers: list[EnvServer]
+) -> AsyncIterator[tuple[SimWorker, httpx.AsyncClient]]:
+    sim = SimWorker(SimConfig(latency_seconds=0.01, policy=counter_oracle))
+    remote = json.dumps([remote_config(two_servers)])
+    with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+        settings = service_settings(database_url, sim_url, remote_envs=remote)
+        async with (
+            serve_app(create_app(settings)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
+        ):
+            yield sim, http
+
+
+async def test_openenv_episodes_run_end_to_end_and_close_their_sessions(
+    service: tuple[SimWorker, httpx.AsyncClient], two_servers: list[EnvServer]
+) -> None:
+    sim, client = service
+    listed = {env["name"]: env for env in (await client.get("/envs")).json()}
+    assert listed[ENV]["splits"] == {"train": 50, "test": 10}
+    assert listed[ENV]["source"] == "REMOTE_ENVS (openenv)"
+    body = {
+        "env": ENV,
+        "task_split": "test",
+        "task_indices": [0, 1, 2, 3],
+        "samples_per_task": 2,
+        "max_turns": 4,
+    }
+    accepted = (await client.post("/episodes", json=body)).json()
+    batch = await finished_batch(client, accepted["batch_id"])
+    episodes = [(await client.get(f"/episodes/{id_}")).json() for id_ in accepted["episode_ids"]]
+    assert batch["counts"]["completed"] == 8, [episode["error"] for episode in episodes]
+    for episode in episodes:
+        assert episode["reward"] == 1.0
+        tools = [m for m in episode["messages"] if m["role"] == "tool"]
+        target = str(episode["task_index"] + 2)
+        assert [(m["name"], m["content"]) for m in tools] == [("add", target), ("submit", "right")]
+        assert_stored_episode_matches_sim(sim, episode)
+    # Least-loaded placement spreads the batch over both servers.
+    assert {episode["info"]["env_server"] for episode in episodes} == {s.url for s in two_servers}
+    wait_closed(two_servers)
+    ready = (await client.get("/ready")).json()
+    assert set(ready["env_servers"].values()) == {"ok"}
+    metrics = (await client.get("/metrics")).text
+    assert (
+        f'rollout_env_server_calls_total{{call="step",env="{ENV}",server="{two_servers[0].url}"}}' in metrics
+    )
+    assert 'rollout_env_server_sessions_open{env="remote/counter"' in metrics
+
+
+async def open_and_reset(envs: RemoteEnvs, index: int) -> Any:
+    session = await envs.open(ENV, "train", f"e{index}")
+    await session.reset(index)
+    return session
+
+
+async def test_the_cap_holds_sessions_per_server_and_placement_is_least_loaded(
+    two_servers: list[EnvServer],
+) -> None:
+    config = RemoteEnvConfig.model_validate(
+        remote_config(two_servers, max_sessions_per_server=2, placement_timeout_seconds=0.5)
+    )
+    envs = RemoteEnvs([config], local=None)  # type: ignore[arg-type]
+    try:
+        sessions = [await open_and_reset(envs, index) for index in range(4)]
+        assert [s.session.server_url for s in sessions].count(two_servers[0].url) == 2
+        assert [server.sessions()["active"] for server in two_servers] == [2, 2]
+        # Full: a fifth waits for a slot, and fails as infrastructure when none frees in time.
+        with pytest.raises(EnvServerDown, match=r"could take an episode within 0\.5 s"):
+            await open_and_reset(envs, 5)
+        await sessions[0].close()
+        fifth = await open_and_reset(envs, 5)
+        assert fifth.session.server_url == sessions[0].session.server_url  # the freed slot
+        for session in [*sessions[1:], fifth]:
+            await session.close()
+        wait_closed(two_servers)
+    finally:
+        await envs.close()
+
+
+async def test_a_timed_out_tool_call_is_not_resent_and_fails_as_infrastructure(
+    two_servers: list[EnvServer],
+) -> None:
+    config = RemoteEnvConfig.model_validate(remote_config(two_servers[:1], call_timeout_seconds=0.5))
+    envs = RemoteEnvs([config], local=None)  # type: ignore[arg-type]
+    try:
+        session = await open_and_reset(envs, 0)
+        assert [tool["function"]["name"] for tool in session.tools] == ["add", "submit", "slow"]
+        with pytest.raises(EnvServerTimeout, match=r"did not answer within 0\.5 s"):
+            await session.step(Action("slow", {"seconds": 1.5}))
+        await session.close()
+        pool = envs.pools[ENV]
+        assert pool.servers[0].errors == {"timeout": 1}
+        calls = {
+            sample.labels["call"]: sample.value
+            for sample in envs.metrics.calls.collect()[0].samples
+            if sample.name.endswith("_total")
+        }
+        assert calls == {"open": 1.0, "list_tools": 1.0, "step": 1.0}  # sent once, never again
+    finally:
+        await envs.close()
+
+
+async def test_a_plain_answer_ends_the_episode_or_goes_to_the_respond_tool(
+    two_servers: list[EnvServer],
+) -> None:
+    plain = RemoteEnvConfig.model_validate(remote_config(two_servers))
+    routed = RemoteEnvConfig.model_validate(
+        remote_config(two_servers, name="remote/answer", respond_tool="submit")
+    )
+    envs = RemoteEnvs([plain, routed], local=None)  # type: ignore[arg-type]
+    try:
+        session = await open_and_reset(envs, 1)
+        step = await session.step(Action(RESPOND_ACTION_NAME, {"content": "3"}))
+        assert (step.done, step.reward) == (True, 0.0)
+        await session.close()
+        answered = await envs.open("remote/answer", "train", "e")
+        await answered.reset(1)
+        step = await answered.step(Action(RESPOND_ACTION_NAME, {"content": "3"}))
+        assert (step.observation, step.done, step.reward) == ("right", True, 1.0)
+        await answered.close()
+    finally:
+        await envs.close()
+
+
+async def test_a_server_killed_mid_batch_fails_its_episodes_as_retryable_and_leaves_placement() -> None:
+    with env_servers(2) as servers:
+        config = RemoteEnvConfig.model_validate(remote_config(servers))
+        envs = RemoteEnvs([config], local=None)  # type: ignore[arg-type]
+        try:
+            sessions = [await open_and_reset(envs, index) for index in range(4)]
+            on_dead = [s for s in sessions if s.session.server_url == servers[0].url]
+            servers[0].kill()
+            for session in on_dead:
+                with pytest.raises(EnvServerDown):
+                    await session.step(Action("add", {"n": 1}))
+            pool = envs.pools[ENV]
+            assert pool.servers[0].down is not None
+            # New episodes go to the live server only; the dead one is out of placement.
+            later = [await open_and_reset(envs, index) for index in range(3)]
+            assert {s.session.server_url for s in later} == {servers[1].url}
+            assert envs.servers()[f"{ENV} {servers[0].url}"].startswith("down")
+            for session in [*sessions, *later]:
+                await session.close()
+            wait_closed(servers[1:])
+        finally:
+            await envs.close()
+
+
+async def test_a_server_that_comes_back_returns_to_placement(two_servers: list[EnvServer]) -> None:
+    config = RemoteEnvConfig.model_validate(remote_config(two_servers))
+    envs = RemoteEnvs([config], local=None)  # type: ignore[arg-type]
+    try:
+        pool = envs.pools[ENV]
+        pool.mark_down(pool.servers[0], "test")
+        pool.start()
+        for _ in range(50):
+            if pool.servers[0].down is None:
+                break
+            await asyncio.sleep(0.1)
+        assert pool.servers[0].down is None
+    finally:
+        await envs.close()
+
+
+# ---- MCP tool servers (the official SDK's server and client). ----
+
+MCP_ENV = "remote/notebook"
+
+
+def notebook_oracle(prompt_text: str, key: str) -> str:
+    """Writes the word under its key, then answers it: reward 1.0."""
+    task = re.search(r"Store (\w+) under (k\d+), then answer", prompt_text)
+    assert task is not None, prompt_text
+    word, note = task.groups()
+    if '<tool_call>\n{"name": "write"' in prompt_text:
+        return word
+    call = {"name": "write", "arguments": {"key": note, "value": word}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def mcp_config(**where: Any) -> dict[str, Any]:
+    return {
+        "name": MCP_ENV,
+        "protocol": "mcp",
+        "splits": {"train": 8},
+        "tasks": "tests.support.mcp_server:notebook_tasks",
+        **where,
+    }
+
+
+STDIO = [sys.executable, "-m", "tests.support.mcp_server"]
+
+
+async def test_mcp_stdio_episodes_run_end_to_end(database_url: str) -> None:
+    sim = SimWorker(SimConfig(latency_seconds=0.01, policy=notebook_oracle))
+    remote = json.dumps([mcp_config(command=STDIO)])
+    with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+        settings = service_settings(database_url, sim_url, remote_envs=remote)
+        async with (
+            serve_app(create_app(settings)) as url,
+            httpx.AsyncClient(base_url=url, timeout=60) as client,
+        ):
+            body = {"env": MCP_ENV, "task_split": "train", "task_indices": [0, 1], "samples_per_task": 2}
+            accepted = (await client.post("/episodes", json=body | {"max_turns": 4})).json()
+            batch = await finished_batch(client, accepted["batch_id"])
+            episodes = [(await client.get(f"/episodes/{id_}")).json() for id_ in accepted["episode_ids"]]
+    assert batch["counts"]["completed"] == 4, [episode["error"] for episode in episodes]
+    for episode in episodes:
+        assert episode["reward"] == 1.0
+        assert episode["info"]["word"]  # the task plugin's info reaches the trainer's records
+        tools = [(m["name"], m["content"]) for m in episode["messages"] if m["role"] == "tool"]
+        assert tools == [("write", f"stored k{episode['task_index']}")]
+        assert episode["messages"][0]["content"] == "Use the notebook tools, then answer."
+        assert_stored_episode_matches_sim(sim, episode)
+
+
+async def test_mcp_streamable_http_pool_places_calls_and_fails_a_dead_server_as_infrastructure() -> None:
+    with env_servers(2, command=tuple(MCP_SERVER), health="/mcp") as servers:
+        urls = [f"{server.url}/mcp" for server in servers]
+        envs = RemoteEnvs([RemoteEnvConfig.model_validate(mcp_config(urls=urls))], local=None)  # type: ignore[arg-type]
+        try:
+            first = await envs.open(MCP_ENV, "train", "e1")
+            second = await envs.open(MCP_ENV, "train", "e2")
+            assert {first.server.url, second.server.url} == set(urls)  # least-loaded
+            assert [tool["function"]["name"] for tool in first.tools] == ["write", "read"]
+            reset = await first.reset(2)
+            assert reset.observation == "Store stone under k2, then answer stone."
+            assert (
+                await first.step(Action("write", {"key": "k2", "value": "stone"}))
+            ).observation == "stored k2"
+            assert (await first.step(Action("read", {"key": "k2"}))).observation == "stone"
+            done = await first.step(Action(RESPOND_ACTION_NAME, {"content": "stone"}))
+            assert (done.reward, done.done) == (1.0, True)
+            await first.close()
+            dead = next(server for server in servers if f"{server.url}/mcp" == second.server.url)
+            dead.kill()
+            await second.reset(0)
+            with pytest.raises(EnvServerDown):
+                await second.step(Action("read", {"key": "k0"}))
+            await second.close()
+            assert envs.mcp[MCP_ENV].pool.servers[urls.index(second.server.url)].down is not None
+        finally:
+            await envs.close()

@@ -117,6 +117,9 @@ class TurnRecord:
     has_logprobs: bool = True  # False: SGLang sent no logprobs; this turn's are placeholders (0.0)
     resume: int = 0  # 0: the turn's first generate call; n: its n-th resume after an engine abort
     actions: list[str] | None = None  # a turn of parallel calls: the tools called, in order
+    # SGLang's meta_info: the call's prompt tokens, and how many of them its prefix cache served.
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,6 +13,7 @@ from typing import cast
 
 from service.config import Settings
 from service.engine.client import AbortQuiet, SGLangClient, make_control_client
+from service.engine.placement import Placement
 from service.engine.transport import SocketTransport
 from service.engine.vllm import VLLMClient
 from service.envs.base import EnvSpec
@@ -106,6 +107,8 @@ async def engine_client(settings: Settings) -> AsyncIterator[SGLangClient]:
         aclosing(SocketTransport()) as transport,
     ):
         client = VLLMClient if settings.engine == "vllm" else SGLangClient
+        workers, mode = settings.worker_url_list, settings.engine_placement
+        placement = Placement(workers, mode) if workers and mode != "router" else None
         yield client(
             http,
             settings.sglang_url,
@@ -116,6 +119,7 @@ async def engine_client(settings: Settings) -> AsyncIterator[SGLangClient]:
             worker_urls=settings.worker_url_list,
             transport=transport,
             abort_quiet=AbortQuiet(settings.engine_abort_quiet_seconds),
+            placement=placement,
         )
 
 

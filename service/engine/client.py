@@ -18,6 +18,7 @@ import httpx
 import orjson
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt
 
+from service.engine.placement import ROUTING_KEY_HEADER, Placement, route_of, routing_key
 from service.engine.transport import (
     CONNECT_TIMEOUT_SECONDS,
     GenerateTransport,
@@ -286,6 +287,7 @@ class SGLangClient:
         worker_urls: list[str] | None = None,
         transport: GenerateTransport | None = None,
         abort_quiet: AbortQuiet | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self._http = http
         self._transport = transport or HttpxTransport(http)
@@ -300,6 +302,8 @@ class SGLangClient:
         self._abort_workers: tuple[float, list[str]] | None = None  # (when listed, urls)
         self._abort_workers_lock = asyncio.Lock()
         self.abort_quiet = abort_quiet or AbortQuiet(ABORT_QUIET_SECONDS)
+        # None: every call goes to base_url (one worker, or the router, told the routing key).
+        self.placement = placement
 
     @property
     def inflight(self) -> int:
@@ -328,7 +332,20 @@ class SGLangClient:
 
     async def _attempt(self, encoded_ids: str, encoded_params: str, rid: str) -> Generation | _Failure:
         await self.abort_quiet.wait()
-        result = await self._post_generate(self._request_body(encoded_ids, encoded_params, rid))
+        body = self._request_body(encoded_ids, encoded_params, rid)
+        placement = self.placement
+        if placement is None:
+            headers = {ROUTING_KEY_HEADER: routing_key(route_of(rid))}
+            result = await self._post_generate(self._generate_url, body, headers)
+        else:
+            url = placement.pick(route_of(rid))
+            placement.started(url)
+            try:
+                result = await self._post_generate(f"{url}{self.GENERATE_PATH}", body, None)
+            finally:
+                placement.finished(url)
+            if isinstance(result, _Failure):  # its episodes move on, this call's retry first
+                placement.failed(url)
         if isinstance(result, Generation):
             if result.interrupted:
                 self.abort_quiet.aborted()
@@ -370,11 +387,13 @@ class SGLangClient:
             ) from None
         raise AssertionError("unreachable: tenacity either returns an attempt or raises")
 
-    async def _post_generate(self, body: bytes) -> Generation | _Failure:
+    async def _post_generate(
+        self, url: str, body: bytes, headers: dict[str, str] | None
+    ) -> Generation | _Failure:
         """One attempt: the Generation, or a retryable failure."""
         async with self._inflight:
             try:
-                reply = await self._transport.post(self._generate_url, body, self._timeout_seconds)
+                reply = await self._transport.post(url, body, self._timeout_seconds, headers)
             except TransportFailure as failure:
                 return _Failure(failure.reason, may_be_running=failure.may_be_running)
         status = reply.status

@@ -45,8 +45,10 @@ class TransportFailure(Exception):
 
 
 class GenerateTransport(Protocol):
-    async def post(self, url: str, body: bytes, timeout_seconds: float) -> Reply:
-        """POSTs a JSON body; raises TransportFailure when no HTTP answer came."""
+    async def post(
+        self, url: str, body: bytes, timeout_seconds: float, headers: dict[str, str] | None = None
+    ) -> Reply:
+        """POSTs a JSON body (with extra `headers`); raises TransportFailure when no HTTP answer came."""
 
     async def aclose(self) -> None: ...
 
@@ -161,8 +163,12 @@ class SocketTransport:
         else:
             connection.close()
 
-    async def post(self, url: str, body: bytes, timeout_seconds: float) -> Reply:
+    async def post(
+        self, url: str, body: bytes, timeout_seconds: float, headers: dict[str, str] | None = None
+    ) -> Reply:
+        headers = headers or {}
         key, head = self._head(url)
+        extra = b"".join(b"%s: %s\r\n" % (name.encode(), value.encode()) for name, value in headers.items())
         try:
             connection = await self._connection(key)
         except (OSError, TimeoutError) as error:
@@ -170,7 +176,7 @@ class SocketTransport:
             raise TransportFailure(reason, may_be_running=False) from error
         try:
             async with asyncio.timeout(timeout_seconds):
-                reply = await connection.send(b"%s%d\r\n\r\n%s" % (head, len(body), body))
+                reply = await connection.send(b"%s%d\r\n%s\r\n%s" % (head, len(body), extra, body))
         except BaseException as error:  # a timeout, a dropped connection, a cancellation
             connection.close()  # mid-request: its state is unknown
             if isinstance(error, TimeoutError | ConnectionError | OSError):
@@ -192,9 +198,13 @@ class HttpxTransport:
     def __init__(self, http: httpx.AsyncClient) -> None:
         self._http = http
 
-    async def post(self, url: str, body: bytes, timeout_seconds: float) -> Reply:
+    async def post(
+        self, url: str, body: bytes, timeout_seconds: float, headers: dict[str, str] | None = None
+    ) -> Reply:
         try:
-            response = await self._http.post(url, content=body, headers=JSON_HEADERS, timeout=timeout_seconds)
+            response = await self._http.post(
+                url, content=body, headers=JSON_HEADERS | (headers or {}), timeout=timeout_seconds
+            )
         except (httpx.ConnectError, httpx.ConnectTimeout) as error:
             raise TransportFailure(f"{type(error).__name__}: {error}", may_be_running=False) from error
         except httpx.TransportError as error:  # read timeouts, dropped connections

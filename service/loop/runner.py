@@ -277,6 +277,8 @@ async def sample_turn(
                 engine_seconds=time.perf_counter() - started,
                 has_logprobs=generation.has_logprobs,
                 resume=resume,
+                prompt_tokens=generation.prompt_tokens,
+                cached_tokens=generation.cached_tokens,
             )
         )
         trajectory.add_sampled(generation.output_ids, generation.logprobs)

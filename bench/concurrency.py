@@ -94,10 +94,16 @@ class GenerateRecorder:
         self._post = original = SocketTransport.post
         bodies = self.bodies
 
-        async def post(transport: SocketTransport, url: str, body: bytes, timeout: float) -> Reply:
+        async def post(
+            transport: SocketTransport,
+            url: str,
+            body: bytes,
+            timeout: float,
+            headers: dict[str, str] | None = None,
+        ) -> Reply:
             rid = body[body.rindex(b'"rid":"') + 7 : body.rindex(b'"')].decode()  # the body's last field
             bodies[rid_attempt_key(rid)].append(body)
-            return await original(transport, url, body, timeout)
+            return await original(transport, url, body, timeout, headers)
 
         SocketTransport.post = post  # type: ignore[method-assign]
 

@@ -260,7 +260,7 @@ def generate_body(input_ids_json: str, sampling_params_json: str, rid: str) -> b
     router's typed schema keeps: anything else would be dropped on the way."""
     return (
         f'{{"input_ids":{input_ids_json},"sampling_params":{sampling_params_json},'
-        f'"return_logprob":true,"rid":{json.dumps(rid)}}}'
+        f'"return_logprob":true,"rid":{orjson.dumps(rid).decode()}}}'
     ).encode()
 
 
@@ -408,7 +408,7 @@ class SGLangClient:
         return self._parse(parsed)
 
     def _encode_params(self, sampling_params: dict[str, Any]) -> str:
-        return json.dumps(sampling_params, separators=(",", ":"))
+        return orjson.dumps(sampling_params).decode()  # a tenth of json.dumps' CPU, every turn
 
     def _request_body(self, input_ids_json: str, sampling_params_json: str, rid: str) -> bytes:
         return generate_body(input_ids_json, sampling_params_json, rid)

@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, overload
 
+import orjson
+
 from service.records import EpisodeTokens
 
 logger = logging.getLogger(__name__)
@@ -227,7 +229,8 @@ class ChatTokenizer:
         """P: system prompt with the tools, the first user message, the first generation header.
 
         The samples of a GRPO group share their prompt: it is rendered and encoded once."""
-        key = (system_prompt, json.dumps(tools, sort_keys=True), first_message)
+        # orjson: json.dumps of a tau-bench-sized tool list was 1% of the CPU at 2,000 in flight.
+        key = (system_prompt, orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode(), first_message)
         ids = self._prompts.get(key)
         if ids is None:
             messages = [

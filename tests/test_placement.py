@@ -55,13 +55,15 @@ def test_round_robin_spreads_every_call() -> None:
 
 def test_the_prefix_cache_matches_to_the_token_and_evicts_least_recent() -> None:
     cache = PrefixCache(capacity_tokens=64, page_tokens=4)
-    cache.insert(list(range(20)))
-    assert cache.match(list(range(20))) == 20
-    assert cache.match([*range(13), 99, 100]) == 13  # within a page, to the token
-    assert cache.match([5, *range(1, 20)]) == 0
+    keys = cache.insert(list(range(20)))
+    assert cache.match(list(range(20))) == (20, keys)
+    assert cache.match([*range(13), 99, 100])[0] == 13  # within a page, to the token
+    assert cache.match([5, *range(1, 20)])[0] == 0
+    cache.insert(list(range(24)), keys)  # extended from the known keys: the same pages, one more
+    assert cache.match(list(range(30)))[0] == 24
     cache.insert(list(range(100, 160)))  # 15 pages: the older sequence's last pages go
     assert cache.tokens <= 64
-    assert cache.match(list(range(20))) < 20
+    assert cache.match(list(range(20)))[0] < 20
 
 
 @pytest.fixture

@@ -2,10 +2,10 @@
 prefix is not computed again and is reported as `meta_info.cached_tokens`.
 
 Token sequences are cached in pages of `page_tokens`; a page is known by the hash of everything up
-to its end, so a page matches only after the same prefix, and each page remembers the tokens that
-last followed it, so a match is exact to the token (SGLang's default page size is 1). Pages are
-evicted least recently used first once more than `capacity_tokens` are held (SGLang's
-max_total_num_tokens).
+to its end, so a page matches only after the same prefix, and each page remembers the sequence it
+came from, so a match is exact to the token (SGLang's default page size is 1). Pages are evicted
+least recently used first once more than `capacity_tokens` are held (SGLang's max_total_num_tokens).
+A request's page keys are hashed once: match() returns them for insert() to extend.
 """
 
 from __future__ import annotations
@@ -24,53 +24,62 @@ class PrefixCache:
             raise ValueError("page_tokens must be at least 1")
         self.capacity_tokens = capacity_tokens
         self.page_tokens = page_tokens
-        # page key -> the tokens that last followed the page (up to a page), least recent first
-        self._pages: OrderedDict[int, tuple[int, ...]] = OrderedDict()
-        self._first: tuple[int, ...] = ()  # the tokens that last began a sequence
+        # page key -> (the sequence it was cached from, the page's end in it), least recent first
+        self._pages: OrderedDict[int, tuple[Sequence[int], int]] = OrderedDict()
+        self._first: Sequence[int] = ()  # the sequence last cached: what followed the root
 
     @property
     def tokens(self) -> int:
         return len(self._pages) * self.page_tokens
 
-    def _keys(self, ids: Sequence[int]) -> list[int]:
-        """The key of each whole page of `ids`: a hash chained over the pages before it."""
-        data = array("q", ids).tobytes()
-        step = self.page_tokens * 8
-        keys, key = [], _ROOT
-        for end in range(step, len(data) + 1, step):
-            key = hash((key, data[end - step : end]))
+    def _keys(self, ids: Sequence[int], known: list[int]) -> list[int]:
+        """The key of each whole page of `ids`, a hash chained over the pages before it; the first
+        len(known) are `known`."""
+        step = self.page_tokens
+        start = len(known) * step
+        data = array("q", ids[start:]).tobytes()
+        keys, key = list(known), known[-1] if known else _ROOT
+        width = step * 8
+        for end in range(width, len(data) + 1, width):
+            key = hash((key, data[end - width : end]))
             keys.append(key)
         return keys
 
-    def match(self, ids: Sequence[int]) -> int:
-        """Tokens of `ids`' longest cached prefix; the pages used become recent."""
+    def match(self, ids: Sequence[int]) -> tuple[int, list[int]]:
+        """Tokens of `ids`' longest cached prefix (the pages used become recent), and `ids`' page keys."""
+        keys = self._keys(ids, [])
         pages = 0
-        following = self._first
-        for key in self._keys(ids):
+        source, end = self._first, 0
+        for key in keys:
             cached = self._pages.get(key)
             if cached is None:
                 break
             self._pages.move_to_end(key)
             pages += 1
-            following = cached
+            source, end = cached
         start = pages * self.page_tokens
         same = 0
-        for cached_id, token in zip(following, ids[start : start + self.page_tokens], strict=False):
+        for cached_id, token in zip(
+            source[end : end + self.page_tokens], ids[start : start + self.page_tokens], strict=False
+        ):
             if cached_id != token:
                 break
             same += 1
-        return start + same
+        return start + same, keys
 
-    def insert(self, ids: Sequence[int]) -> None:
-        """Caches `ids`, evicting the least recently used pages beyond the capacity."""
+    def insert(self, ids: Sequence[int], known: list[int] | None = None) -> list[int]:
+        """Caches `ids` (whose first pages' keys may be `known`), evicting the least recently used
+        pages beyond the capacity; returns `ids`' page keys."""
+        keys = self._keys(ids, known or [])
+        self._first = ids
         page = self.page_tokens
-        self._first = tuple(ids[:page])
-        for index, key in enumerate(self._keys(ids), start=1):
-            self._pages[key] = tuple(ids[index * page : (index + 1) * page])
+        for index, key in enumerate(keys, start=1):
+            self._pages[key] = (ids, index * page)
             self._pages.move_to_end(key)
         excess = len(self._pages) - self.capacity_tokens // page
         for _ in range(max(0, excess)):
             self._pages.popitem(last=False)
+        return keys
 
     def clear(self) -> None:
         self._pages.clear()

@@ -211,8 +211,8 @@ class SimWorker:
             if not queued:
                 # The prompt is cached once prefilled (a group's later samples share it); what was
                 # sampled is cached when the request ends, aborted or not.
-                cached = self.prefix_cache.match(request.input_ids)
-                self.prefix_cache.insert(request.input_ids)
+                cached, keys = self.prefix_cache.match(request.input_ids)
+                keys = self.prefix_cache.insert(request.input_ids, keys)
                 meta |= {"prompt_tokens": len(request.input_ids), "cached_tokens": cached}
                 decode_seconds = self.config.per_token_latency_seconds * len(output.ids)
                 slower = latency_factor(request.rid, self.config)
@@ -232,7 +232,7 @@ class SimWorker:
                     {"type": "abort", "message": running.abort_message},
                 )
             if not queued and output.ids:
-                self.prefix_cache.insert(request.input_ids + output.ids)
+                self.prefix_cache.insert(request.input_ids + output.ids, keys)
         finally:
             self._running.pop(request.rid, None)
         meta |= {

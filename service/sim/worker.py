@@ -211,8 +211,10 @@ class SimWorker:
             if not queued:
                 # The prompt is cached once prefilled (a group's later samples share it); what was
                 # sampled is cached when the request ends, aborted or not.
-                cached, keys = self.prefix_cache.match(request.input_ids)
-                keys = self.prefix_cache.insert(request.input_ids, keys)
+                cached, keys = 0, []
+                if self.config.prefix_cache_tokens:  # 0: no prefix cache (and none of its CPU)
+                    cached, keys = self.prefix_cache.match(request.input_ids)
+                    keys = self.prefix_cache.insert(request.input_ids, keys)
                 meta |= {"prompt_tokens": len(request.input_ids), "cached_tokens": cached}
                 decode_seconds = self.config.per_token_latency_seconds * len(output.ids)
                 slower = latency_factor(request.rid, self.config)
@@ -231,7 +233,7 @@ class SimWorker:
                     output.logprobs[:produced],
                     {"type": "abort", "message": running.abort_message},
                 )
-            if not queued and output.ids:
+            if not queued and output.ids and self.config.prefix_cache_tokens:
                 self.prefix_cache.insert(request.input_ids + output.ids, keys)
         finally:
             self._running.pop(request.rid, None)

@@ -211,7 +211,7 @@ class SimWorker:
             if not queued:
                 # The prompt is cached once prefilled (a group's later samples share it); what was
                 # sampled is cached when the request ends, aborted or not.
-                cached, keys = 0, []
+                cached, keys = 0, list[int]()
                 if self.config.prefix_cache_tokens:  # 0: no prefix cache (and none of its CPU)
                     cached, keys = self.prefix_cache.match(request.input_ids)
                     keys = self.prefix_cache.insert(request.input_ids, keys)

@@ -83,6 +83,9 @@ class _LeaseCounter(logging.Handler):
             self.lost += 1
 
 
+BARE_ATTEMPTS = 3  # the bare client's tries of one call (the simulated worker resets some when loaded)
+
+
 class GenerateRecorder:
     """Keeps every /generate body the service sends, by episode, for the bare-client baseline."""
 
@@ -94,10 +97,16 @@ class GenerateRecorder:
         self._post = original = SocketTransport.post
         bodies = self.bodies
 
-        async def post(transport: SocketTransport, url: str, body: bytes, timeout: float) -> Reply:
+        async def post(
+            transport: SocketTransport,
+            url: str,
+            body: bytes,
+            timeout: float,
+            headers: dict[str, str] | None = None,
+        ) -> Reply:
             rid = body[body.rindex(b'"rid":"') + 7 : body.rindex(b'"')].decode()  # the body's last field
             bodies[rid_attempt_key(rid)].append(body)
-            return await original(transport, url, body, timeout)
+            return await original(transport, url, body, timeout, headers)
 
         SocketTransport.post = post  # type: ignore[method-assign]
 
@@ -114,10 +123,16 @@ async def bare_client_baseline(url: str, bodies: dict[str, list[bytes]]) -> dict
         async def replay(episode: list[bytes]) -> None:
             for body in episode:
                 # A new rid: the service's requests of that rid are long finished, but be safe.
-                async with session.post(
-                    f"{url}/generate", data=body.replace(b'"rid":"', b'"rid":"bare-'), headers=JSON
-                ) as response:
-                    await response.read()
+                for attempt in range(BARE_ATTEMPTS):
+                    try:
+                        async with session.post(
+                            f"{url}/generate", data=body.replace(b'"rid":"', b'"rid":"bare-'), headers=JSON
+                        ) as response:
+                            await response.read()
+                        break
+                    except aiohttp.ClientOSError:  # a reset under 2,000 new connections at once
+                        if attempt == BARE_ATTEMPTS - 1:
+                            raise
 
         cpu0, started = time.process_time(), time.perf_counter()
         await asyncio.gather(*(replay(episode) for episode in bodies.values()))

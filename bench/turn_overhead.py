@@ -300,7 +300,7 @@ def _json_share(
     trajectory = Trajectory(ours.chat.prompt_ids(system, tools, first))
     inputs = []
     for turn in turns:
-        inputs.append(trajectory.input_ids())
+        inputs.append(list(trajectory.input_ids()))
         trajectory.add_sampled(turn.sampled_ids, [0.0] * len(turn.sampled_ids))
         trajectory.add_context(ours.chat.closing_ids(turn.sampled_ids))
         trajectory.add_context(

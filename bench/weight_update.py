@@ -24,6 +24,7 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,10 @@ IN_FLIGHT_TIMEOUT_SECONDS = 60.0  # from the submit until some turn is at the en
 GOAL = "0 episodes lost and 0 tokens sampled twice across the weight updates"
 
 
-def sampled_by_engine(sim: SimWorker) -> dict[str, int]:
+def sampled_by_engine(sims: list[SimWorker]) -> dict[str, int]:
     """Output tokens the engine returned, per episode id."""
     counts: dict[str, int] = {}
-    for request in sim.requests:
+    for request in (request for sim in sims for request in sim.requests):
         if request.response_body is not None:
             tokens = json.loads(request.response_body)["meta_info"]["completion_tokens"]
             episode_id = request.rid.split(":")[0]
@@ -60,22 +61,30 @@ def sampled_by_engine(sim: SimWorker) -> dict[str, int]:
     return counts
 
 
-async def wait_for_a_turn_in_flight(sim: SimWorker, deadline: float) -> None:
-    # The simulated worker serves from its own thread: polled, as no event of this loop can tell.
-    while sim.running == 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+async def wait_for_a_turn_in_flight(sims: list[SimWorker], deadline: float) -> None:
+    # The simulated workers serve from their own threads: polled, as no event of this loop can tell.
+    while not any(sim.running for sim in sims) and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
 
 
 async def run_batch(
-    database_url: str, episodes: int, updates: int, interval: float, latency: float, resumes: int
+    database_url: str,
+    episodes: int,
+    updates: int,
+    interval: float,
+    latency: float,
+    resumes: int,
+    workers: int,
 ) -> dict[str, Any]:
-    sim = SimWorker(
-        SimConfig(latency_seconds=latency, per_token_latency_seconds=0.004, malformed_call_rate=0.0)
-    )
-    with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+    config = SimConfig(latency_seconds=latency, per_token_latency_seconds=0.004, malformed_call_rate=0.0)
+    sims = [SimWorker(config) for _ in range(workers)]
+    with ExitStack() as stack:
+        urls = [stack.enter_context(serve_in_thread(create_sim_app(config, worker=sim))) for sim in sims]
+        # Several workers: the service places each episode's calls on one (sticky placement).
         settings = Settings(
             database_url=database_url,
-            sglang_url=sim_url,
+            sglang_url=urls[0],
+            sglang_worker_urls=",".join(urls) if workers > 1 else "",
             api_keys="",
             max_turn_resumes=resumes,
             log_level="WARNING",
@@ -100,11 +109,12 @@ async def run_batch(
                 await asyncio.sleep(interval)
                 # An update cuts the turns in flight: wait for one (a loaded machine may still be
                 # claiming), so that every update cuts something and the figures are never empty.
-                await wait_for_a_turn_in_flight(sim, submitted + IN_FLIGHT_TIMEOUT_SECONDS)
+                await wait_for_a_turn_in_flight(sims, submitted + IN_FLIGHT_TIMEOUT_SECONDS)
                 started = time.monotonic()
-                rounds = await abort_servers_until_idle([sim_url], SLIME_ABORT_RETRY_SECONDS)
-                loops.append({"rounds": rounds[0], "seconds": round(time.monotonic() - started, 2)})
-                sim.update_weights(str(version), abort_all=False)
+                rounds = await abort_servers_until_idle(urls, SLIME_ABORT_RETRY_SECONDS)
+                loops.append({"rounds": max(rounds), "seconds": round(time.monotonic() - started, 2)})
+                for sim in sims:
+                    sim.update_weights(str(version), abort_all=False)
             last_update = time.monotonic()
             batch = (await http.get("/batches/weights", params={"wait": 1800})).json()
             tail = time.monotonic() - last_update
@@ -114,7 +124,7 @@ async def run_batch(
             stored = list(await session.scalars(select(Episode).where(Episode.batch_id == "weights")))
     finally:
         await database.dispose()
-    engine_tokens = sampled_by_engine(sim)
+    engine_tokens = sampled_by_engine(sims)
     kept = {episode.id: sum(episode.tokens().loss_mask) if episode.tokens() else 0 for episode in stored}
     resumed_calls = sum(
         sum(1 for turn in episode.turns or [] if turn.get("resume", 0) > 0) for episode in stored
@@ -144,13 +154,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--interval", type=float, default=1.5, help="seconds between weight updates")
     parser.add_argument("--latency", type=float, default=0.4, help="the simulated engine's seconds per call")
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument("--workers", type=int, default=1, help="simulated workers (more: sticky placement)")
     args = parser.parse_args(argv)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, resumes in (("resumed", 8), ("not_resumed", 0)):
             with fresh_database(args.database, Path(tmp), migrate=True) as url:
                 runs[name] = run_loop(
-                    run_batch(url, args.episodes, args.updates, args.interval, args.latency, resumes)
+                    run_batch(
+                        url, args.episodes, args.updates, args.interval, args.latency, resumes, args.workers
+                    )
                 )
                 print(name, json.dumps(runs[name]), flush=True)
     result = {
@@ -158,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "database": args.database,
         "episodes": args.episodes,
         "updates": args.updates,
+        "workers": args.workers,
         "goal": GOAL,
         **runs,
         "episodes_lost_without_resumes": runs["not_resumed"]["episodes_lost"],

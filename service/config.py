@@ -66,6 +66,15 @@ class Settings(BaseSettings):
         description="Comma-separated worker URLs for control calls (abort, pause) when SGLANG_URL is a "
         "router; empty means ask the router's GET /workers, or use SGLANG_URL itself.",
     )
+    engine_placement: Literal["sticky", "round_robin", "router"] = Field(
+        default="sticky",
+        description="Where generate calls go. sticky: with SGLANG_WORKER_URLS, the service places every "
+        "call of an episode on one of those workers, and a group's episodes on one while its load allows "
+        "(prefix-cache hits); without them, every call goes to SGLANG_URL with the episode's group as the "
+        "router's routing key (X-SMG-Routing-Key; the router's --policy manual pins it). round_robin: "
+        "calls spread over SGLANG_WORKER_URLS one by one. router: every call to SGLANG_URL, the workers "
+        "listed only for control calls.",
+    )
     tokenizer_path: str = Field(
         default=str(TEST_TOKENIZER_DIR),
         description="A Hugging Face tokenizer directory (or hub id, if cached) with a chat template that "

@@ -83,6 +83,21 @@ class Metrics:
             ["kind"],
             registry=registry,
         )
+        self.engine_prompt_tokens = Counter(
+            "rollout_engine_prompt_tokens",
+            "Prompt tokens of the generate calls of finished episodes: all, and those the engine's prefix "
+            "cache served (SGLang's meta_info.cached_tokens).",
+            ["kind"],
+            registry=registry,
+        )
+        self.prefix_cache_hit_rate = Gauge(
+            "rollout_prefix_cache_hit_rate",
+            "Share of prompt tokens served from the engine's prefix cache (cached / all, above), in the "
+            "process that answered last under `serve --workers N`: for the host's, rate() the counters.",
+            registry=registry,
+            multiprocess_mode="mostrecent",
+        )
+        self._prompt_tokens = self._cached_tokens = 0  # the two series above, for the rate
         self.engine_seconds = Histogram(
             "rollout_engine_seconds", "Duration of one /generate call.", buckets=LATENCY_BUCKETS_SECONDS,
             registry=registry,
@@ -146,10 +161,17 @@ class Metrics:
             self.tokens.labels("prompt").inc(len(tokens.prompt_ids))
             self.tokens.labels("sampled").inc(sampled)
             self.tokens.labels("context").inc(len(tokens.response_ids) - sampled)
+        prompt = cached = 0
         for turn in result.turns:
+            prompt += turn.prompt_tokens or 0
+            cached += turn.cached_tokens or 0
             self.engine_seconds.observe(turn.engine_seconds)
             if turn.action is not None:
                 self.env_seconds.observe(turn.env_seconds)
+        self.engine_prompt_tokens.labels("all").inc(prompt)
+        self.engine_prompt_tokens.labels("cached").inc(cached)
+        self._prompt_tokens += prompt
+        self._cached_tokens += cached
 
     def agent_finished(self, status: EpisodeStatus) -> None:
         """An external agent's episode, ended by its agent (its turns and tokens are not counted)."""
@@ -172,6 +194,8 @@ class Metrics:
         self.inflight_episodes.set(inflight_episodes)
         self.inflight_generates.set(inflight_generates)
         self.engine_paused.set(int(paused))
+        if self._prompt_tokens:
+            self.prefix_cache_hit_rate.set(self._cached_tokens / self._prompt_tokens)
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
         host = CollectorRegistry()

@@ -132,6 +132,9 @@ class TurnRecord:
     # one sampled from, after temperature, penalties, top-k/top-p: what an importance ratio needs)
     # or "raw" (the model's, before them); None: unknown (an engine or a row that did not say).
     logprobs_mode: str | None = None
+    # SGLang's meta_info: the call's prompt tokens, and how many of them its prefix cache served.
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

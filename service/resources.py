@@ -15,6 +15,7 @@ from typing import cast
 from service.config import Settings
 from service.engine.client import AbortQuiet, SGLangClient, make_control_client
 from service.engine.model_info import ModelInfoCache
+from service.engine.placement import Placement
 from service.engine.transport import SocketTransport
 from service.engine.vllm import VLLMClient
 from service.envs.base import EnvSpec
@@ -114,6 +115,8 @@ async def engine_client(settings: Settings) -> AsyncIterator[SGLangClient]:
         aclosing(SocketTransport()) as transport,
     ):
         client = VLLMClient if settings.engine == "vllm" else SGLangClient
+        workers, mode = settings.worker_url_list, settings.engine_placement
+        placement = Placement(workers, mode) if workers and mode != "router" else None
         model_info = ModelInfoCache(
             http, settings.sglang_url.rstrip("/"), settings.engine, settings.engine_logprobs_mode
         )
@@ -130,6 +133,7 @@ async def engine_client(settings: Settings) -> AsyncIterator[SGLangClient]:
                 transport=transport,
                 abort_quiet=AbortQuiet(settings.engine_abort_quiet_seconds),
                 model_info=model_info,
+                placement=placement,
             )
         finally:
             await model_info.aclose()

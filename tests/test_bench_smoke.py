@@ -137,6 +137,33 @@ def test_weight_update_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(resumed["abort_loops"]) == 2
 
 
+def test_weight_update_with_sticky_placement_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("weight_update")
+    bench.main(
+        ["--episodes", "16", "--updates", "2", "--interval", "1", "--latency", "0.1", "--workers", "2"]
+    )
+    resumed = last_json_line(capsys.readouterr().out)["resumed"]
+    assert resumed["complete"] and sum(resumed["counts"].values()) == 16
+    assert (resumed["episodes_lost"], resumed["tokens_sampled_twice"]) == (0, 0)
+
+
+def test_long_horizon_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("long_horizon")
+    bench.main(["--context", "12000", "--repeats", "1"])
+    result = last_json_line(capsys.readouterr().out)
+    assert all(result[f"turn_{turn}_cpu_ms"] > 0 for turn in (8, 32, 128))
+
+
+def test_prefix_cache_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("prefix_cache")
+    bench.main(["--groups", "4", "--samples", "4", "--workers", "2"])
+    result = last_json_line(capsys.readouterr().out)
+    sticky, spread = result["sticky"], result["round_robin"]
+    assert sticky["complete"] and spread["complete"]
+    assert sticky["metrics_hit_rate"] == sticky["hit_rate"]  # the service records what the engine said
+    assert sticky["prefilled_tokens"] < spread["prefilled_tokens"]
+
+
 def test_stragglers_quick(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("stragglers")
     returned = bench.main(["--groups", "2", "--latency", "0.01", "--deadline", "0.5"])

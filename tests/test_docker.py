@@ -333,7 +333,9 @@ def test_router_profile_launches_the_router_wheel() -> None:
     argv = shlex.split(script.split("exec ", 1)[1])
     assert argv[:3] == ["python", "-m", "sglang_router.launch_router"]
     assert argv[argv.index("--worker-urls") + 1] == "http://sglang:30000"
-    assert argv[argv.index("--policy") + 1] == "cache_aware"
+    # The service's routing key (X-SMG-Routing-Key, an episode's group) pins a worker: the manual policy.
+    assert argv[argv.index("--policy") + 1] == "manual"
+    assert argv[argv.index("--assignment-mode") + 1] == "min_group"
     assert argv[argv.index("--port") + 1] == "30000" and argv[argv.index("--host") + 1] == "0.0.0.0"
     assert depends_on(router) == {"sglang": {"condition": "service_healthy"}}
 

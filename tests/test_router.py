@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from service.config import TEST_TOKENIZER_DIR
 from service.engine.client import EngineRequestError, SGLangClient
+from service.engine.placement import Route, current_route
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from tests.support.polling import until
@@ -67,14 +68,17 @@ def wait_ready(router_url: str, process: subprocess.Popen[bytes], log: Path) -> 
 
 
 @pytest.fixture
-def router(tmp_path: Path) -> Iterator[RouterSetup]:
+def router(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RouterSetup]:
+    policy = getattr(request, "param", "cache_aware")
     sims = [SimWorker(SimConfig(latency_seconds=0.0)) for _ in range(2)]
     with ExitStack() as stack:
         urls = [stack.enter_context(serve_in_thread(create_sim_app(worker=sim))) for sim in sims]
         router_url = f"http://127.0.0.1:{free_port()}"
         log = tmp_path / "router.log"
         command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls]
-        command += ["--host", "127.0.0.1", "--port", router_url.rsplit(":", 1)[1], "--policy", "cache_aware"]
+        command += ["--host", "127.0.0.1", "--port", router_url.rsplit(":", 1)[1], "--policy", policy]
+        if policy == "manual":  # a new key goes to the worker with the fewest keys
+            command += ["--assignment-mode", "min_group"]
         with log.open("wb") as output:
             process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         try:
@@ -190,3 +194,28 @@ async def test_400_passes_through_the_router_unretried(router: RouterSetup) -> N
             await client_for(http, router.url).generate([5] * 40_000, {"max_new_tokens": 1}, "big:0:0")
     assert raised.value.status_code == 400
     assert "longer than the model's context length" in raised.value.message
+
+
+@pytest.mark.parametrize("router", ["manual"], indirect=True)
+async def test_groups_stay_on_one_worker_by_the_routing_key(router: RouterSetup) -> None:
+    """The router's manual policy pins the routing key the client sends (the episode's group):
+    every call of a group's episodes lands on one worker, and later turns hit its prefix cache."""
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        client = client_for(http, router.url)
+        cached = []
+        for group in range(6):
+            ids = prompt_ids(messages_of(group))
+            for sample in range(3):
+                current_route.set(Route(f"g{group}s{sample}", f"batch/{group}"))
+                context = list(ids)
+                for turn in range(2):
+                    rid = f"g{group}s{sample}:0:{turn}"
+                    generation = await client.generate(context, {"max_new_tokens": 64}, rid)
+                    cached.append(generation.cached_tokens or 0)
+                    context += generation.output_ids
+    by_group: dict[str, set[str]] = {}
+    for rid, (url, _) in requests_by_rid(router).items():
+        by_group.setdefault(rid.split("s")[0], set()).add(url)
+    assert all(len(urls) == 1 for urls in by_group.values()), by_group
+    assert len(set().union(*by_group.values())) == 2  # the groups spread over both workers
+    assert all(hit > 0 for hit in cached[1:3])  # the group's other samples share its cached prompt

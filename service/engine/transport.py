@@ -46,12 +46,21 @@ class TransportFailure(Exception):
 
 
 class GenerateTransport(Protocol):
-    async def post(self, url: str, body: bytes, timeout_seconds: float) -> Reply:
-        """POSTs a JSON body; raises TransportFailure when no HTTP answer came."""
+    async def post(
+        self, url: str, body: bytes, timeout_seconds: float, headers: dict[str, str] | None = None
+    ) -> Reply:
+        """POSTs a JSON body (with extra `headers`); raises TransportFailure when no HTTP answer came."""
 
-    async def stream(self, url: str, body: bytes, timeout_seconds: float, on_body: OnBody) -> Reply:
-        """POSTs a JSON body and hands a 200 answer's body to `on_body` piece by piece as it
-        arrives (the Reply's body is then empty); any other status comes back whole."""
+    async def stream(
+        self,
+        url: str,
+        body: bytes,
+        timeout_seconds: float,
+        on_body: OnBody,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
+        """POSTs a JSON body (with extra `headers`) and hands a 200 answer's body to `on_body` piece
+        by piece as it arrives (the Reply's body is then empty); any other status comes back whole."""
 
     async def aclose(self) -> None: ...
 
@@ -173,11 +182,22 @@ class SocketTransport:
         else:
             connection.close()
 
-    async def post(self, url: str, body: bytes, timeout_seconds: float) -> Reply:
-        return await self.stream(url, body, timeout_seconds, None)
+    async def post(
+        self, url: str, body: bytes, timeout_seconds: float, headers: dict[str, str] | None = None
+    ) -> Reply:
+        return await self.stream(url, body, timeout_seconds, None, headers)
 
-    async def stream(self, url: str, body: bytes, timeout_seconds: float, on_body: OnBody | None) -> Reply:
+    async def stream(
+        self,
+        url: str,
+        body: bytes,
+        timeout_seconds: float,
+        on_body: OnBody | None,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
+        headers = headers or {}
         key, head = self._head(url)
+        extra = b"".join(b"%s: %s\r\n" % (name.encode(), value.encode()) for name, value in headers.items())
         try:
             connection = await self._connection(key)
         except (OSError, TimeoutError) as error:
@@ -185,7 +205,7 @@ class SocketTransport:
             raise TransportFailure(reason, may_be_running=False) from error
         try:
             async with asyncio.timeout(timeout_seconds):
-                reply = await connection.send(b"%s%d\r\n\r\n%s" % (head, len(body), body), on_body)
+                reply = await connection.send(b"%s%d\r\n%s\r\n%s" % (head, len(body), extra, body), on_body)
         except BaseException as error:  # a timeout, a dropped connection, a cancellation
             connection.close()  # mid-request: its state is unknown
             if isinstance(error, TimeoutError | ConnectionError | OSError):
@@ -207,19 +227,30 @@ class HttpxTransport:
     def __init__(self, http: httpx.AsyncClient) -> None:
         self._http = http
 
-    async def post(self, url: str, body: bytes, timeout_seconds: float) -> Reply:
+    async def post(
+        self, url: str, body: bytes, timeout_seconds: float, headers: dict[str, str] | None = None
+    ) -> Reply:
         try:
-            response = await self._http.post(url, content=body, headers=JSON_HEADERS, timeout=timeout_seconds)
+            response = await self._http.post(
+                url, content=body, headers=JSON_HEADERS | (headers or {}), timeout=timeout_seconds
+            )
         except (httpx.ConnectError, httpx.ConnectTimeout) as error:
             raise TransportFailure(f"{type(error).__name__}: {error}", may_be_running=False) from error
         except httpx.TransportError as error:  # read timeouts, dropped connections
             raise TransportFailure(f"{type(error).__name__}: {error}", may_be_running=True) from error
         return Reply(response.status_code, response.content)
 
-    async def stream(self, url: str, body: bytes, timeout_seconds: float, on_body: OnBody) -> Reply:
+    async def stream(
+        self,
+        url: str,
+        body: bytes,
+        timeout_seconds: float,
+        on_body: OnBody,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
         try:
             async with self._http.stream(
-                "POST", url, content=body, headers=JSON_HEADERS, timeout=timeout_seconds
+                "POST", url, content=body, headers=JSON_HEADERS | (headers or {}), timeout=timeout_seconds
             ) as response:
                 if response.status_code != 200:
                     return Reply(response.status_code, await response.aread())

@@ -286,6 +286,8 @@ async def sample_turn(
                 has_logprobs=generation.has_logprobs,
                 resume=resume,
                 logprobs_mode=generation.logprobs_mode,
+                prompt_tokens=generation.prompt_tokens,
+                cached_tokens=generation.cached_tokens,
             )
         )
         trajectory.add_sampled(generation.output_ids, generation.logprobs)

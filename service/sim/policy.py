@@ -57,6 +57,10 @@ class SimConfig:
     stream_interval: int = 8  # output tokens per SSE chunk
     seed: int = 0  # mixed into every random choice
     request_log_limit: int = 100_000  # oldest entries of SimWorker.requests are dropped beyond this
+    # The worker's prefix cache (prefix_cache.py): tokens held (SGLang's max_total_num_tokens), and
+    # the page size its lookups hash by (matches stay exact to the token). 0 tokens: no cache.
+    prefix_cache_tokens: int = 1_000_000
+    prefix_page_tokens: int = 16
     # Another policy than builtin/shop's oracle: (prompt text, "<episode_id>:<attempt>") -> the
     # assistant's next text. The sampling (non-canonical tokens, logprobs, stops) stays the sim's.
     policy: Callable[[str, str], str] | None = None

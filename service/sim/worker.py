@@ -14,7 +14,6 @@ import socket
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -27,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from service.records import rid_attempt_key
 from service.sim.policy import PlannedOutput, SimConfig, SimTokens, latency_factor, plan_output
+from service.sim.prefix_cache import PrefixCache
 from service.sim.protocol import SimHTTPError, SimRequest, json_bytes
 from service.sim.vllm import (
     VLLM_ID_PREFIX,
@@ -41,7 +40,6 @@ from service.sockets import listen
 
 __all__ = ["SimConfig", "SimRequest", "SimWorker", "create_sim_app", "main", "serve_in_thread"]
 
-PREFIX_CACHE_ENTRIES = 10_000
 SERVER_START_TIMEOUT_SECONDS = 10.0
 
 
@@ -89,7 +87,7 @@ class SimWorker:
         self.peak_running = 0  # most requests in flight at once
         self._running: dict[str, _Running] = {}
         self._failures: list[int] = []
-        self._prefix_cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens, self.config.prefix_page_tokens)
         self._paused = False
         self._resumed = asyncio.Event()
 
@@ -141,7 +139,7 @@ class SimWorker:
         self._resumed.set()
 
     def flush_cache(self) -> None:
-        self._prefix_cache.clear()
+        self.prefix_cache.clear()
 
     def _validate(self, body: Any) -> tuple[list[int], dict[str, Any], str]:
         if not isinstance(body, dict):
@@ -210,15 +208,6 @@ class SimWorker:
         self.peak_running = max(self.peak_running, len(self._running))
         return request, running
 
-    def _cached_tokens(self, key: str, input_ids: list[int]) -> int:
-        previous = self._prefix_cache.pop(key, [])
-        cached = 0
-        for a, b in zip(previous, input_ids, strict=False):
-            if a != b:
-                break
-            cached += 1
-        return cached
-
     async def run(self, request: SimRequest, running: _Running) -> tuple[PlannedOutput, dict[str, Any]]:
         """Plays one request to its end (or its abort): the output and the meta_info."""
         start = time.monotonic()
@@ -231,11 +220,12 @@ class SimWorker:
             )
             running.planned = output, time.monotonic()
             if not queued:
-                key = rid_attempt_key(request.rid)
-                cached = self._cached_tokens(key, request.input_ids)
-                self._prefix_cache[key] = request.input_ids + output.ids
-                while len(self._prefix_cache) > PREFIX_CACHE_ENTRIES:
-                    self._prefix_cache.popitem(last=False)
+                # The prompt is cached once prefilled (a group's later samples share it); what was
+                # sampled is cached when the request ends, aborted or not.
+                cached, keys = 0, list[int]()
+                if self.config.prefix_cache_tokens:  # 0: no prefix cache (and none of its CPU)
+                    cached, keys = self.prefix_cache.match(request.input_ids)
+                    keys = self.prefix_cache.insert(request.input_ids, keys)
                 meta |= {"prompt_tokens": len(request.input_ids), "cached_tokens": cached}
                 decode_seconds = self.config.per_token_latency_seconds * len(output.ids)
                 slower = latency_factor(request.rid, self.config)
@@ -254,6 +244,8 @@ class SimWorker:
                     output.logprobs[:produced],
                     {"type": "abort", "message": running.abort_message},
                 )
+            if not queued and output.ids and self.config.prefix_cache_tokens:
+                self.prefix_cache.insert(request.input_ids + output.ids, keys)
         finally:
             self._running.pop(request.rid, None)
         meta |= {
@@ -445,7 +437,9 @@ def create_sim_app(config: SimConfig | None = None, *, worker: SimWorker | None 
                 "dp_size": 1,
                 "tp_size": 1,
                 "version": "sim",
-                "internal_states": [{"max_total_num_tokens": 1_000_000, "last_gen_throughput": 0.0}],
+                "internal_states": [
+                    {"max_total_num_tokens": sim.config.prefix_cache_tokens, "last_gen_throughput": 0.0}
+                ],
             }
         )
 

@@ -19,6 +19,7 @@ from typing import TypeVar
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception
 
 from service.config import Settings
+from service.engine.placement import Route, current_route
 from service.engine.status import EngineStatus
 from service.logs import EPISODE_LOG_FIELDS
 from service.loop.driven import Runner
@@ -193,6 +194,8 @@ class EpisodeWorker:
                 "worker_id": self.worker_id,
             }
         )
+        # The engine places the episode's calls by it: the group's worker holds the shared prompt.
+        current_route.set(Route(claim.id, f"{claim.batch_id}/{claim.group_index}"))
         try:
             try:
                 result = await self.runner.run(claim.spec)

@@ -121,13 +121,17 @@ def test_the_migration_job_comes_first_and_the_service_waits_for_its_schema(
 
 
 def test_probes_are_on_health_and_ready(rendered: tuple[str, list[Object]]) -> None:
+    """Workers are ready on /ready (database, engine, no pause). The API pods behind the Service are
+    ready on /health: /ready is 503 in every process while generation is paused, and a trainer must
+    reach /engine/continue then."""
     _, objects = rendered
     for deployment in service_deployments(objects):
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+        api = deployment["metadata"]["name"] == "rollout-api"
         for probe, path in (
             ("livenessProbe", "/health"),
-            ("readinessProbe", "/ready"),
+            ("readinessProbe", "/health" if api else "/ready"),
             ("startupProbe", "/health"),
         ):
             get = container[probe]["httpGet"]

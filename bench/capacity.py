@@ -103,6 +103,10 @@ class CountingProxy:
         self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
         self._loop.run_forever()
+        # Its listening socket and the loop's own, else left to the garbage collector: a
+        # ResourceWarning, which the suite counts as a failure of whichever test collects it.
+        server.close()
+        self._loop.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)

@@ -19,7 +19,7 @@ from sqlalchemy import select
 from service.sim.worker import SimWorker
 from service.storage.db import Database
 from service.storage.models import Batch, Episode
-from tests.support.service_process import wait_for
+from tests.support.service_process import episodes_running, generation_held, wait_for
 from tests.support.trainer_service import stored_episodes
 
 sys.path.insert(0, str(Path(__file__).parent / "areal_standin"))
@@ -157,13 +157,14 @@ async def test_a_cancelled_areal_rollout_cancels_its_group(
 ) -> None:
     workflow = NumpyWorkflow(GenerationHyperparameters())
     engine, data = RemoteInfEngine(), {"task_index": 3}
-    started = asyncio.gather(
-        *[workflow.arun_episode(engine, data) for _ in range(8)]
-    )  # as GroupedRolloutWorkflow
-    await asyncio.sleep(0.3)
-    started.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await started
+    async with generation_held(service[0]):
+        started = asyncio.gather(
+            *[workflow.arun_episode(engine, data) for _ in range(8)]
+        )  # as GroupedRolloutWorkflow
+        await episodes_running(db)
+        started.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await started
 
     async def cancelled() -> bool:  # gather ends with its first cancelled call; the first call cancels
         async with db.sessionmaker() as session:

@@ -19,7 +19,7 @@ from sqlalchemy import select
 from service.sim.worker import SimWorker
 from service.storage.db import Database
 from service.storage.models import Batch
-from tests.support.service_process import wait_for
+from tests.support.service_process import episodes_running, generation_held, wait_for
 from tests.support.trainer_service import batch_ids_of, stored_episodes
 
 sys.path.insert(0, str(Path(__file__).parent / "openrlhf_standin"))
@@ -124,11 +124,12 @@ async def test_a_cancelled_openrlhf_prompt_cancels_its_group(
     service: tuple[str, SimWorker], db: Database, tokenizer: Any
 ) -> None:
     actor = RolloutRayActor(str(AGENT_FILE))
-    started = asyncio.ensure_future(generate(actor, tokenizer, [("3", "3")], 8, 16384))
-    await asyncio.sleep(0.3)
-    started.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await started
+    async with generation_held(service[0]):
+        started = asyncio.ensure_future(generate(actor, tokenizer, [("3", "3")], 8, 16384))
+        await episodes_running(db)
+        started.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await started
 
     async def cancelled() -> bool:
         async with db.sessionmaker() as session:

@@ -185,3 +185,24 @@ async def submit(url: str, batch_id: str, tasks: int, samples: int) -> list[str]
     assert response.status_code == 202, response.text
     episode_ids: list[str] = response.json()["episode_ids"]
     return episode_ids
+
+
+@asynccontextmanager
+async def generation_held(url: str) -> AsyncIterator[None]:
+    """Generation paused at the engine (the service's POST /engine/pause, mode in_place) while the
+    block runs: a test that cancels work in flight finds it in flight however fast the machine is
+    (a fixed sleep raced the episodes' end)."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        assert (await http.post("/engine/pause", json={"mode": "in_place"})).status_code == 200
+        try:
+            yield
+        finally:
+            await http.post("/engine/continue")
+
+
+async def episodes_running(db: Database) -> None:
+    async def running() -> bool:
+        async with db.sessionmaker() as session:
+            return "running" in set(await session.scalars(select(Episode.status)))
+
+    await wait_for(running, 30, "episodes running")

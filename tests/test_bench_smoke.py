@@ -126,6 +126,17 @@ def test_outage_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["answers_during_outage"]
 
 
+def test_soak_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("soak")
+    bench.main(["--minutes", "3", "--sample-seconds", "4", "--in-flight", "128", "--latency", "0.02",
+                "--update-every", "3", "--cancel-every", "5", "--database", "sqlite"])  # fmt: skip
+    result = last_json_line(capsys.readouterr().out)
+    assert len(result["samples"]) == 3 and result["episodes_accepted"] > 0
+    assert (result["episodes_lost"], result["groups_duplicated"], result["errors"]) == (0, 0, {})
+    assert result["groups_streamed"] > 0 and result["weight_updates"] >= 1
+    assert all(sample["rss_mib"] > 0 and sample["fds"] > 0 for sample in result["samples"])
+
+
 def test_weight_update_quick(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("weight_update")
     bench.main(["--episodes", "16", "--updates", "2", "--interval", "1", "--latency", "0.1"])

@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI
 from service.agents import routes as agents
 from service.agents.service import AgentSessions
 from service.agents.session import AgentTurns
-from service.api import batches, engine, envs, episodes, groups, health
+from service.api import access, batches, engine, envs, episodes, groups, health
 from service.api.contract import install_contract
 from service.api.deps import refuse_unknown_query_parameters
 from service.api.errors import install_error_handlers
@@ -52,7 +52,7 @@ async def lifespan(
 ) -> AsyncIterator[dict[str, Services]]:
     """Each resource in its own context manager, released in the reverse order: the worker drains
     first, the database closes last."""
-    if not settings.api_key_list:
+    if settings.key_table.open:
         logger.warning("API_KEYS is not set: the API accepts requests from anyone who can reach it")
     async with AsyncExitStack() as resources:
         database = await resources.enter_async_context(open_database(settings))
@@ -118,7 +118,7 @@ def create_app(settings: Settings | None = None, shutting_down: asyncio.Event | 
     )
     install_error_handlers(app)
     install_middleware(app, settings)
-    for module in (episodes, batches, groups, envs, engine, health, agents):
+    for module in (episodes, batches, groups, envs, engine, health, access, agents):
         app.include_router(module.router)
     install_pages(app)
     install_contract(app)

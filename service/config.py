@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import hmac
+import re
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.client import ABORT_QUIET_GROWTH, ABORT_QUIET_SECONDS
@@ -37,6 +50,121 @@ ONE_CALL_TOOL_INSTRUCTION = (
 TEMPLATE_TOOL_INSTRUCTION = "You may call one or more functions to assist with the user query."
 
 
+# What a batch id may hold (service/api/schemas.py's BATCH_ID_PATTERN, 128 characters): a project's
+# prefix is the start of one, and leaves room for the 32 hex digits of a generated id after it.
+BATCH_PREFIX_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+MAX_BATCH_PREFIX = 96
+
+
+@dataclass(frozen=True)
+class Access:
+    """What one API key opens: every batch (an admin key, or any caller when no key is set), or
+    those of one project, whose ids start with its `batch_prefix`."""
+
+    project: str | None  # None: an admin
+    batch_prefix: str  # "" for an admin
+
+    @property
+    def admin(self) -> bool:
+        return self.project is None
+
+    def owns(self, batch_id: str) -> bool:
+        return batch_id.startswith(self.batch_prefix)
+
+
+ADMIN = Access(project=None, batch_prefix="")
+
+
+class ProjectKeys(BaseModel):
+    """One project of API_PROJECTS."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    keys: list[str] = Field(min_length=1, description="The project's bearer keys.")
+    batch_prefix: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_BATCH_PREFIX,
+        pattern=BATCH_PREFIX_PATTERN,
+        description="What its batch ids start with; default '<project>:'.",
+    )
+
+
+_PROJECTS = TypeAdapter(dict[str, ProjectKeys])
+
+
+class KeyTable:
+    """API key -> what it opens: API_KEYS are admin keys, each of API_PROJECTS' keys opens its
+    project's batches. Looked up in constant time per key, every key compared (auth.is_one_of)."""
+
+    def __init__(self, admin_keys: list[str], projects: dict[str, Access], project_keys: dict[str, str]):
+        self.entries: list[tuple[bytes, Access]] = [(key.encode(), ADMIN) for key in admin_keys] + [
+            (key.encode(), projects[project]) for key, project in project_keys.items()
+        ]
+        self.projects = projects
+
+    @property
+    def open(self) -> bool:
+        """No key at all is set: anyone who can reach the service is an admin."""
+        return not self.entries
+
+    def lookup(self, key: bytes | None) -> Access | None:
+        """What `key` opens; None for no key or an unknown one (every key compared, no early exit)."""
+        if key is None:
+            return None
+        found = None
+        for candidate, access in self.entries:
+            if hmac.compare_digest(key, candidate):
+                found = access
+        return found
+
+    @classmethod
+    def parse(cls, admin_keys: list[str], projects_json: str) -> KeyTable:
+        """From API_KEYS' keys and API_PROJECTS (a JSON object: project -> {keys, batch_prefix}).
+        Raises ValueError saying what is wrong, never with a key in it."""
+        projects: dict[str, Access] = {}
+        owner: dict[str, str] = {key: "API_KEYS" for key in admin_keys}
+        if not projects_json.strip():
+            return cls(admin_keys, projects, {})
+        try:
+            parsed = _PROJECTS.validate_json(projects_json)
+        except ValidationError as error:
+            problems = "; ".join(
+                f"{'.'.join(str(part) for part in item['loc']) or 'the value'}: {item['msg']}"
+                for item in error.errors(include_input=False)
+            )
+            raise ValueError(
+                'a JSON object like {"team-a": {"keys": ["..."], "batch_prefix": "team-a:"}} is expected; '
+                + problems
+            ) from None
+        project_keys: dict[str, str] = {}
+        for name, project in parsed.items():
+            if not name.strip():
+                raise ValueError("a project's name is empty")
+            prefix = project.batch_prefix if project.batch_prefix is not None else f"{name}:"
+            if len(prefix) > MAX_BATCH_PREFIX or re.fullmatch(BATCH_PREFIX_PATTERN, prefix) is None:
+                raise ValueError(
+                    f"project {name!r}: its default batch_prefix {prefix!r} is not the start of a batch id "
+                    f"([A-Za-z0-9][A-Za-z0-9._:-]*, at most {MAX_BATCH_PREFIX} characters): set batch_prefix"
+                )
+            for other, access in projects.items():
+                if access.batch_prefix.startswith(prefix) or prefix.startswith(access.batch_prefix):
+                    raise ValueError(
+                        f"projects {other!r} and {name!r}: batch prefixes {access.batch_prefix!r} and "
+                        f"{prefix!r} overlap (one starts the other): each batch id must belong to one project"
+                    )
+            projects[name] = Access(project=name, batch_prefix=prefix)
+            for key in project.keys:
+                if not key.strip() or key != key.strip() or any(char.isspace() for char in key):
+                    raise ValueError(f"project {name!r}: a key is empty or holds whitespace")
+                if key in owner:
+                    where = "API_KEYS" if owner[key] == "API_KEYS" else f"project {owner[key]!r}"
+                    raise ValueError(f"project {name!r}: one of its keys is also a key of {where}")
+                owner[key] = name
+                project_keys[key] = name
+        return cls(admin_keys, projects, project_keys)
+
+
 class UserSimSettings(BaseSettings, UserSimConfig):
     """UserSimConfig as the environment (or `.env`) sets it, by its fields' aliases: USER_SIM_*, JUDGE_*."""
 
@@ -44,7 +172,8 @@ class UserSimSettings(BaseSettings, UserSimConfig):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_file=".env", extra="ignore")
+    # A refused value is not repeated in the error: API_KEYS, API_PROJECTS and DATABASE_URL hold secrets.
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore", hide_input_in_errors=True)
 
     database_url: str = Field(
         default="sqlite+aiosqlite:///./rollouts.db",
@@ -98,7 +227,17 @@ class Settings(BaseSettings):
         default=SecretStr(""),
         description="Comma-separated API keys; when set, every endpoint but the probes and the scrape "
         "(/health, /ready, /metrics) needs "
-        "'Authorization: Bearer <key>'. Unset: no authentication (a warning is logged at start).",
+        "'Authorization: Bearer <key>'. Unset: no authentication (a warning is logged at start). These "
+        "are admin keys: they open every batch, and /engine's controls; API_PROJECTS gives keys a scope.",
+    )
+    api_projects: SecretStr = Field(
+        default=SecretStr(""),
+        description='Keys with a scope, as a JSON object: {"team-a": {"keys": ["k1", "k2"], '
+        '"batch_prefix": "team-a:"}, ...} (batch_prefix defaults to "<project>:"). A project key '
+        "sees, lists, streams, pulls and cancels only batches whose id starts with its prefix (anything "
+        "else is a 404, as if it did not exist), submits only such batches (a generated id gets the "
+        "prefix), and is refused /engine's controls (403). GET /access tells a key its scope. No key "
+        "may be in two projects or in API_KEYS, and no prefix may start another.",
     )
 
     serve_workers: int = Field(
@@ -277,13 +416,29 @@ class Settings(BaseSettings):
         default="INFO", description="Logging level."
     )
 
+    @field_validator("api_projects")
+    @classmethod
+    def _valid_projects(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
+        admin = info.data.get("api_keys")
+        KeyTable.parse(_key_list(admin) if isinstance(admin, SecretStr) else [], value.get_secret_value())
+        return value
+
     @cached_property
     def api_key_list(self) -> list[str]:
-        return [key.strip() for key in self.api_keys.get_secret_value().split(",") if key.strip()]
+        return _key_list(self.api_keys)
+
+    @cached_property
+    def key_table(self) -> KeyTable:
+        """Every API key and what it opens (API_KEYS: everything; API_PROJECTS: a project's batches)."""
+        return KeyTable.parse(self.api_key_list, self.api_projects.get_secret_value())
 
     @cached_property
     def worker_url_list(self) -> list[str]:
         return [url.strip().rstrip("/") for url in self.sglang_worker_urls.split(",") if url.strip()]
+
+
+def _key_list(keys: SecretStr) -> list[str]:
+    return [key.strip() for key in keys.get_secret_value().split(",") if key.strip()]
 
 
 def environment_names() -> set[str]:

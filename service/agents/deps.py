@@ -83,16 +83,20 @@ async def waiting_episode(
     ] = "",
 ) -> AgentEpisode:
     """The episode, if the token (`Authorization: Bearer`, or Anthropic's `x-api-key`) is its own
-    (or an API key) and it waits for its agent. Needs no tokenizer: an API-only process answers a
-    401 without loading one."""
+    (or an API key whose scope holds its batch) and it waits for its agent. Needs no tokenizer: an
+    API-only process answers a 401 without loading one."""
     with http_errors:
         episode = await services.agents.episode(episode_id)
     assert episode.agent_token is not None  # UnknownEpisode otherwise
-    keys = [episode.agent_token.encode(), *(key.encode() for key in services.settings.api_key_list)]
     # Starlette decodes headers as latin-1: encoding it back gives the bytes as sent.
     key = bearer_key(authorization.encode("latin-1", "replace")) or x_api_key.encode("latin-1", "replace")
-    if not key or not is_one_of(key, keys):
+    own = bool(key) and is_one_of(key, [episode.agent_token.encode()])
+    access = None if own or not key else services.settings.key_table.lookup(key)
+    if not own and access is None:
         raise Unauthorized("missing or invalid token: send 'Authorization: Bearer <the episode's api_key>'")
+    if access is not None and not access.owns(episode.batch_id):  # another project's: as if none
+        with http_errors:
+            raise UnknownEpisode(f"no external episode {episode_id!r}")
     with http_errors:
         services.agents.check_waiting(episode)
     return episode

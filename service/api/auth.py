@@ -1,5 +1,5 @@
-"""`Authorization: Bearer <key>`, checked alike for the API keys (middleware.py) and for an
-external agent's episode token (service/agents/deps.py)."""
+"""`Authorization: Bearer <key>`, read alike for the API keys (middleware.py, access.py; the table
+of keys is config.KeyTable) and for an external agent's episode token (service/agents/deps.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,6 @@ def bearer_key(authorization: bytes) -> bytes | None:
     if scheme.lower() != b"bearer" or not key:
         return None
     return key
-
-
-def authorized(authorization: bytes, keys: Sequence[bytes]) -> bool:
-    """Whether the header carries one of `keys`."""
-    key = bearer_key(authorization)
-    return key is not None and is_one_of(key, keys)
 
 
 def is_one_of(key: bytes, keys: Sequence[bytes]) -> bool:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Response
+from fastapi import APIRouter, Header, Query, Response
 
+from service.api.access import AccessDep, BatchId
 from service.api.arrow import ARROW_STREAM_MEDIA_TYPE
 from service.api.batch_json import batch_summary_json, summary_item
 from service.api.contract import link
@@ -33,7 +34,6 @@ router = APIRouter(tags=["batches"])
 
 JSON_SIZE_FACTOR = 4  # a token's JSON text against its stored bytes, about
 CANCEL_ABORTS_AT_ONCE = 64  # engine aborts of a cancelled batch in flight together
-BatchId = Annotated[str, Path(max_length=128, pattern=BATCH_ID_PATTERN)]
 MAX_BATCHES_PAGE = 500
 
 
@@ -52,15 +52,19 @@ MAX_BATCHES_PAGE = 500
 )
 async def get_batches(
     services: ServicesDep,
+    access: AccessDep,
     limit: Annotated[int, Query(ge=1, le=MAX_BATCHES_PAGE, description="Batches per page.")] = 50,
     before: Annotated[
         str | None,
         Query(max_length=128, pattern=BATCH_ID_PATTERN, description="The previous page's `next`."),
     ] = None,
 ) -> BatchListOut:
-    """Batches, newest first, a page at a time: counts by status and reward mean so far."""
+    """Batches, newest first, a page at a time: counts by status and reward mean so far. A project
+    key (API_PROJECTS) lists its project's batches only."""
     try:
-        page = await list_batches(services.database, limit=limit, before=before)
+        if before is not None and not access.owns(before):
+            raise UnknownCursor(before)
+        page = await list_batches(services.database, limit=limit, before=before, prefix=access.batch_prefix)
     except UnknownCursor:
         raise NotFound(f"no batch {before!r} to page from (before=)") from None
     return BatchListOut(

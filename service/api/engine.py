@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.api.access import admin_only
 from service.api.deps import ServicesDep
-from service.api.errors import NotReady, responses
+from service.api.errors import Forbidden, NotReady, responses
 
-router = APIRouter(prefix="/engine", tags=["engine"])
+# The engine serves every project: its controls are an admin key's (a project key: 403).
+router = APIRouter(
+    prefix="/engine", tags=["engine"], dependencies=[Depends(admin_only)], responses=responses(Forbidden)
+)
 
 
 class PauseRequest(BaseModel):

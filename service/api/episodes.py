@@ -6,12 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, status
-from sqlalchemy import select
+from sqlalchemy import Select, select
 
 from service.agents.repository import agent_tokens
+from service.api.access import AccessDep
 from service.api.contract import link
 from service.api.deps import LONG_POLL_CUT, ServicesDep, long_poll
 from service.api.episode_detail import episode_detail
@@ -33,11 +34,12 @@ from service.api.schemas import (
 )
 from service.api.token_view import episode_token_view
 from service.app_state import Services
-from service.config import Settings
+from service.config import Access, Settings
 from service.engine.vllm import unsupported_by_vllm
 from service.envs.plugins import failed_plugin_for
 from service.records import EXTERNAL_ENV, FINISHED_STATUSES, EpisodeRequest
 from service.storage.batches import BatchConflict, NewBatch, NewEpisode, submit_batch
+from service.storage.db import starts_with
 from service.storage.models import Episode, EpisodeSegment
 
 router = APIRouter(tags=["episodes"])
@@ -145,13 +147,28 @@ def _check_size(body: SubmitEpisodes, services: Services) -> None:
         )
 
 
-def new_batch(body: SubmitEpisodes, settings: Settings) -> NewBatch:
-    """The batch of a validated body (its task_split filled in by validate_submission)."""
+def scoped_batch_id(body: SubmitEpisodes, access: Access) -> str:
+    """The body's batch id, if the caller's scope holds it (a 422 naming `batch_id` and the prefix
+    otherwise); a new one in the scope when it names none."""
+    if body.batch_id is None:
+        return access.batch_prefix + uuid.uuid4().hex
+    if not access.owns(body.batch_id):
+        raise InvalidRequest.field(
+            ["batch_id"],
+            f"the batch ids of project {access.project!r} start with {access.batch_prefix!r} "
+            "(GET /access tells a key its prefix)",
+        )
+    return body.batch_id
+
+
+def new_batch(body: SubmitEpisodes, settings: Settings, batch_id: str | None = None) -> NewBatch:
+    """The batch of a validated body (its task_split filled in by validate_submission), under
+    `batch_id` (default: the body's, or a new one)."""
     sampling_params = body.sampling_params.to_sglang()
     task_split = body.task_split or ""
     return NewBatch(
         agent_idle_seconds=settings.external_idle_seconds if body.env == EXTERNAL_ENV else None,
-        batch_id=body.batch_id or uuid.uuid4().hex,
+        batch_id=batch_id or body.batch_id or uuid.uuid4().hex,
         request_hash=request_hash(body),
         env=body.env,
         task_split=task_split,
@@ -187,11 +204,15 @@ def new_batch(body: SubmitEpisodes, settings: Settings) -> NewBatch:
         202: {"links": SUBMIT_LINKS},
     },
 )
-async def submit_episodes(body: SubmitEpisodes, services: ServicesDep, request: Request) -> SubmitAccepted:
+async def submit_episodes(
+    body: SubmitEpisodes, services: ServicesDep, access: AccessDep, request: Request
+) -> SubmitAccepted:
     """Queue `samples_per_task` episodes of each task; the samples of one task form one group.
     Env `external`: the episodes wait for external agents instead, each at its own OpenAI
-    endpoint (`agents`); `task_indices` and `task_split` are then the caller's labels."""
-    batch = new_batch(validate_submission(body, services), services.settings)
+    endpoint (`agents`); `task_indices` and `task_split` are then the caller's labels. A project
+    key's batch id must start with its prefix (GET /access); one it leaves out is made with it."""
+    batch_id = scoped_batch_id(body, access)
+    batch = new_batch(validate_submission(body, services), services.settings, batch_id)
     try:
         submission = await submit_batch(services.database, batch)
     except BatchConflict as error:
@@ -214,6 +235,13 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep, request: 
     )
 
 
+def in_scope(query: Select[Any], episode_id: str, access: Access) -> Select[Any]:
+    """`query` of the episode, if the caller's scope holds its batch: one read, whether it is
+    another project's or none at all (a 404 alike, in the same time)."""
+    query = query.where(Episode.id == episode_id)
+    return query.where(starts_with(Episode.batch_id, access.batch_prefix)) if access.batch_prefix else query
+
+
 @router.get(
     "/episodes/{episode_id}",
     operation_id="get_episode",
@@ -222,6 +250,7 @@ async def submit_episodes(body: SubmitEpisodes, services: ServicesDep, request: 
 )
 async def get_episode(
     services: ServicesDep,
+    access: AccessDep,
     episode_id: EpisodeId,
     wait: Annotated[
         float,
@@ -236,13 +265,13 @@ async def get_episode(
 
     async def finished() -> bool:  # an unknown episode is "finished": no wait, then 404
         async with services.database.reader() as session:
-            status = await session.scalar(select(Episode.status).where(Episode.id == episode_id))
+            status = await session.scalar(in_scope(select(Episode.status), episode_id, access))
         return status is None or status in FINISHED_STATUSES
 
     if wait > 0:
         await long_poll(services, wait, finished)
     async with services.database.reader() as session:
-        episode = await session.get(Episode, episode_id)
+        episode = await session.scalar(in_scope(select(Episode), episode_id, access))
         earlier: list[EpisodeSegment] = []
         if episode is not None and episode.segments > 1:
             earlier = list(
@@ -263,12 +292,14 @@ async def get_episode(
     response_model=EpisodeTokenView,
     responses=responses(NotFound, DatabaseUnavailable),
 )
-async def get_episode_tokens(services: ServicesDep, episode_id: EpisodeId) -> EpisodeTokenView:
+async def get_episode_tokens(
+    services: ServicesDep, access: AccessDep, episode_id: EpisodeId
+) -> EpisodeTokenView:
     """The response's tokens as text (the service's tokenizer, one token at a time) beside their
     ids, loss mask and logprobs, and where each generate call's tokens lie: what the viewer's token
     view draws. 404 for an unknown episode or one that stored no tokens (yet)."""
     async with services.database.reader() as session:
-        episode = await session.get(Episode, episode_id)
+        episode = await session.scalar(in_scope(select(Episode), episode_id, access))
     view = None if episode is None else await episode_token_view(episode, services.token_texts)
     if view is None:
         raise NotFound(

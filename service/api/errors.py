@@ -85,6 +85,11 @@ class Unauthorized(ServiceError):
     description = "Missing or wrong API key (when API_KEYS is set)"
 
 
+class Forbidden(ServiceError):
+    status_code = 403
+    description = "An admin key's operation (API_KEYS); a project key (API_PROJECTS) may not"
+
+
 class NotReady(ServiceError):
     status_code = 503
     description = "A dependency is unreachable"

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Response
 from pydantic import StringConstraints
 
+from service.api.access import AccessDep
 from service.api.arrow import ARROW_STREAM_MEDIA_TYPE
 from service.api.batch_json import groups_page_json
 from service.api.deps import LONG_POLL_CUT, ServicesDep, long_poll
@@ -49,6 +50,7 @@ FILTERED_HEADER = "Rollout-Groups-Filtered"
 )
 async def get_groups(
     services: ServicesDep,
+    access: AccessDep,
     after: Annotated[
         int,
         Query(ge=0, le=INT32_MAX, description="Cursor: the groups after this one (0: from the first)."),
@@ -87,9 +89,13 @@ async def get_groups(
 ) -> Any:
     """Complete groups (every episode has a final status) past the cursor `after`, in the order they
     completed. The cursor lives in the database: it survives restarts and holds across service
-    processes; following `next`, no group comes twice and none is skipped."""
+    processes; following `next`, no group comes twice and none is skipped. A project key
+    (API_PROJECTS) reads its project's groups only."""
     where = GroupFilter(
-        batch_ids=tuple(batch_id) if batch_id else None, env=env, min_reward_std=min_reward_std
+        batch_ids=tuple(batch_id) if batch_id else None,
+        env=env,
+        min_reward_std=min_reward_std,
+        batch_prefix=access.batch_prefix,
     )
     page = await _next_page(services, after, limit, wait, where)
     services.metrics.groups_filtered.inc(page.filtered)

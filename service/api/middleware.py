@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import FastAPI, HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.auth import authorized
+from service.api.auth import bearer_key
 from service.api.errors import PayloadTooLarge, ServiceError, Unauthorized, error_response
-from service.config import Settings
+from service.config import KeyTable, Settings
 
 # Probes and scrapes: a kubelet's probe and an annotation-discovered Prometheus scrape send no key.
 # They tell whether the service is up and how many episodes it holds, nothing of any batch.
@@ -41,11 +41,12 @@ class BodyTooLarge(HTTPException):
 
 
 class GuardMiddleware:
-    """401 without a valid `Authorization: Bearer <key>` (when keys are set); 413 past the size limit."""
+    """401 without a valid `Authorization: Bearer <key>` (when keys are set: API_KEYS, API_PROJECTS);
+    413 past the size limit. What a valid key opens the routes judge (access.py)."""
 
-    def __init__(self, app: ASGIApp, *, api_keys: list[str], max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, keys: KeyTable, max_body_bytes: int) -> None:
         self.app = app
-        self.api_keys = [key.encode() for key in api_keys]
+        self.keys = keys
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -54,9 +55,9 @@ class GuardMiddleware:
             return
         headers = dict(scope["headers"])
         if (
-            self.api_keys
+            not self.keys.open
             and not is_public(scope["path"])
-            and not authorized(headers.get(b"authorization", b""), self.api_keys)
+            and self.keys.lookup(bearer_key(headers.get(b"authorization", b""))) is None
         ):
             await self._reject(
                 Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'"),
@@ -93,6 +94,4 @@ class GuardMiddleware:
 
 
 def install_middleware(app: FastAPI, settings: Settings) -> None:
-    app.add_middleware(
-        GuardMiddleware, api_keys=settings.api_key_list, max_body_bytes=settings.max_request_bytes
-    )
+    app.add_middleware(GuardMiddleware, keys=settings.key_table, max_body_bytes=settings.max_request_bytes)

@@ -465,3 +465,14 @@ class ReadyOut(BaseModel):
     engine: str
     # Remote env servers (REMOTE_ENVS) by "<env> <url>": "ok", or "down: why" while out of placement.
     env_servers: dict[str, str] = Field(default_factory=dict)
+
+
+class AccessOut(BaseModel):
+    """What the caller's API key opens (GET /access)."""
+
+    admin: bool = Field(description="An admin key (API_KEYS), or no key set: every batch, and /engine.")
+    project: str | None = Field(description="The key's project (API_PROJECTS); null for an admin.")
+    batch_prefix: str = Field(
+        description="What the batch ids this key sees and submits start with; empty for an admin. A "
+        "client prefixes the batch ids it makes with it."
+    )

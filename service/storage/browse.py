@@ -11,7 +11,7 @@ from sqlalchemy import Row, and_, func, or_, select
 
 from service.records import EpisodeStatus
 from service.storage.batch_rows import BATCH_SELECTED, SUMMARY_SELECTED
-from service.storage.db import Database
+from service.storage.db import Database, starts_with
 from service.storage.models import Batch, Episode
 
 
@@ -34,11 +34,15 @@ class UnknownCursor(LookupError):
     pass
 
 
-async def list_batches(database: Database, *, limit: int, before: str | None = None) -> BatchListPage:
+async def list_batches(
+    database: Database, *, limit: int, before: str | None = None, prefix: str = ""
+) -> BatchListPage:
     """Batches newest first (created_at, then id, descending), `limit` of them, older than the batch
-    `before` names when given (keyset paging: a page does not shift as new batches arrive). Raises
-    UnknownCursor when `before` names no batch."""
+    `before` names when given (keyset paging: a page does not shift as new batches arrive), those
+    whose id starts with `prefix` only. Raises UnknownCursor when `before` names no batch."""
     statement = select(*BATCH_SELECTED).order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
+    if prefix:
+        statement = statement.where(starts_with(Batch.id, prefix))
     async with database.reader() as session:
         if before is not None:
             cursor = await session.get(Batch, before)

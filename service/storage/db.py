@@ -13,7 +13,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, event, text
+from sqlalchemy import ColumnElement, ColumnExpressionArgument, Connection, event, func, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.pool import NullPool
@@ -35,6 +35,12 @@ READ_ONLY_OPTION = "rollout_read_only"
 CHECK_TIMEOUT_SECONDS = 5.0  # a readiness check's wait for the database
 # Ids per `IN (...)` list: far below the bound-parameter limits of SQLite (32766) and asyncpg (32767).
 IN_LIST_CHUNK = 1000
+
+
+def starts_with(column: ColumnExpressionArgument[str], prefix: str) -> ColumnElement[bool]:
+    """`column` starts with `prefix`, compared exactly: SQLite's LIKE ignores ASCII case, and
+    PostgreSQL's needs escaping; a substring equals the prefix on both, byte for byte."""
+    return func.substr(column, 1, len(prefix)) == prefix
 
 
 def utcnow() -> datetime:

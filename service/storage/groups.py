@@ -26,7 +26,7 @@ from sqlalchemy import Table, and_, bindparam, exists, func, insert, select, tex
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.records import FINISHED_STATUSES, EpisodeStatus
-from service.storage.db import IN_LIST_CHUNK, Database, utcnow
+from service.storage.db import IN_LIST_CHUNK, Database, starts_with, utcnow
 from service.storage.models import Episode, Group
 
 GroupKey = tuple[str, int]  # (batch id, group index)
@@ -214,9 +214,11 @@ async def batch_group_keys(session: AsyncSession, batch_id: str) -> list[GroupKe
 @dataclass(frozen=True)
 class GroupFilter:
     """Which complete groups a reader wants: of some batches, of one env, with reward std above
-    `min_reward_std` (None: every group; 0: those whose rewards are not all equal)."""
+    `min_reward_std` (None: every group; 0: those whose rewards are not all equal), of batches whose
+    id starts with `batch_prefix` (a project key's scope: the others are not even counted)."""
 
     batch_ids: tuple[str, ...] | None = None
+    batch_prefix: str = ""
     env: str | None = None
     min_reward_std: float | None = None
 
@@ -240,6 +242,8 @@ async def read_page(session: AsyncSession, after: int, limit: int, where: GroupF
         query = query.where(Group.batch_id.in_(where.batch_ids))
     if where.env is not None:
         query = query.where(Group.env == where.env)
+    if where.batch_prefix:
+        query = query.where(starts_with(Group.batch_id, where.batch_prefix))
     kept: list[Group] = []
     cursor, filtered, scanned = after, 0, 0
     while len(kept) < limit and scanned < MAX_SCANNED:

@@ -380,7 +380,7 @@ def test_named_volumes_are_declared_and_used() -> None:
 def test_no_literal_secrets(path: Path) -> None:
     text = path.read_text(encoding="utf-8")
     assert DUMMY_ENV["POSTGRES_PASSWORD"] not in text
-    secret_key = re.compile(r"PASSWORD|SECRET|(^|_)TOKEN$|API_KEYS?$")
+    secret_key = re.compile(r"PASSWORD|SECRET|(^|_)TOKEN$|API_KEYS?$|^API_PROJECTS$")
     for svc in load(path).get("services", {}).values():
         for key, value in (svc.get("environment") or {}).items():
             if secret_key.search(key):

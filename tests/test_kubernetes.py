@@ -31,7 +31,7 @@ SERVICE_PORT = 8000
 GRACE_MARGIN_SECONDS = 10  # past the preStop pause and the drain: uvicorn's exit, the interpreter's
 # Environment variables a container may hold that are not Settings (service/config.py).
 OTHER_VARIABLES = {"HF_HOME", "HF_TOKEN", "POSTGRES_USER", "POSTGRES_DB", "POSTGRES_PASSWORD", "PGDATA"}
-SECRET_NAMES = re.compile(r"PASSWORD|API_KEY|_TOKEN$|SECRET|^DATABASE_URL$")
+SECRET_NAMES = re.compile(r"PASSWORD|API_KEY|^API_PROJECTS$|_TOKEN$|SECRET|^DATABASE_URL$")
 # A URL with credentials in it: scheme://user:password@host.
 URL_WITH_PASSWORD = re.compile(r"[a-z+]+://[^/\s:@]+:[^/\s@]+@")
 

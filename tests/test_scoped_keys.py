@@ -339,3 +339,21 @@ def test_the_command_line_names_the_setting(tmp_path: Path) -> None:
     assert (
         result.stderr.strip() == "error: API_PROJECTS: project 'a': one of its keys is also a key of API_KEYS"
     )
+
+
+async def test_the_client_makes_its_batch_ids_in_the_keys_scope(world: World) -> None:
+    """rollout_client asks GET /access once, and the ids it makes (generated, or from a trainer's
+    parts, as the adapters make theirs) start with the key's prefix; an admin's are unchanged."""
+    from rollout_client import AsyncRolloutClient
+
+    url = str(world.http.base_url)
+    async with AsyncRolloutClient(url, "ka-1") as client:
+        assert (await client.access()).batch_prefix == "team-a:"
+        made = await client.batch_id("run 1", "train", 3)
+        assert made == "team-a:run_1-train-3"
+        submitted = await client.submit("builtin/shop", [0], task_split="test", batch_id=made)
+        generated = await client.submit("builtin/shop", [0], task_split="test")
+        assert submitted.batch_id == made and generated.batch_id.startswith("team-a:b-")
+        assert (await client.summary(made))["batch_id"] == made
+    async with AsyncRolloutClient(url, ADMIN_KEY) as client:
+        assert await client.batch_id("run 1", "train", 3) == "run_1-train-3"

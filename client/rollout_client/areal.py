@@ -50,7 +50,6 @@ from rollout_client.steps import (
     ServiceConfig,
     StepBatch,
     StepCounts,
-    batch_id,
     response_for_trainer,
     trainer_class,
 )
@@ -165,18 +164,18 @@ class ServiceWorkflow:
         version = int(engine.get_version())
         occurrence = self._occurrences.get((version, task), 0)
         self._occurrences[version, task] = occurrence + 1
-        step = StepBatch(
-            batch_id=batch_id(self.run_id, f"v{version}", task, occurrence, f"n{samples}"),
-            env=self.service.env,
-            tasks=[task],
-            samples=samples,
-            task_split=self.service.task_split,
-            sampling_params=sampling_params(self.gconfig),
-            max_turns=self.service.max_turns,
-            max_response_tokens=self.max_response_tokens,
-            metadata={"areal_version": version},
-        )
         async with AsyncRolloutClient(self.service.url, self.service.api_key) as client:
+            step = StepBatch(
+                batch_id=await client.batch_id(self.run_id, f"v{version}", task, occurrence, f"n{samples}"),
+                env=self.service.env,
+                tasks=[task],
+                samples=samples,
+                task_split=self.service.task_split,
+                sampling_params=sampling_params(self.gconfig),
+                max_turns=self.service.max_turns,
+                max_response_tokens=self.max_response_tokens,
+                metadata={"areal_version": version},
+            )
             episodes = await self._waiter().group(client, step, self.counts)
         return [trajectory(episode, self.max_response_tokens, self.counts) for episode in episodes]
 

@@ -18,6 +18,7 @@ import pyarrow as pa
 from rollout_client import plans
 from rollout_client.batch import Batch
 from rollout_client.plans import (
+    Access,
     Call,
     GroupFilters,
     GroupsPage,
@@ -39,6 +40,9 @@ class Options(TypedDict, total=False):
     max_backoff: float  # longest pause (default 10 s)
 
 
+_SCOPES: dict[tuple[str, str | None], Access] = {}  # (service URL, key) -> what the key opens
+
+
 @dataclass
 class _Done(Generic[T]):
     value: T
@@ -58,6 +62,7 @@ class _Api:
         self.retries = Retries(
             options.get("retries", 8), options.get("backoff", 0.5), options.get("max_backoff", 10.0)
         )
+        self.key = api_key
 
     @staticmethod
     def advance(plan: Plan[T], outcome: Outcome | None) -> Call | Pause | _Done[T]:
@@ -89,8 +94,23 @@ class _Api:
     def envs(self) -> Plan[Any]:
         return plans.json_of(Call("GET", "/envs"), self.retries)
 
+    def access(self) -> Plan[Access]:
+        """The key's scope, asked once per process and service (clients made per step or group
+        share it): a key's scope changes only with the service's configuration."""
+        scope = _SCOPES.get((self.url, self.key))
+        if scope is None:
+            scope = _SCOPES[self.url, self.key] = yield from plans.access(self.retries)
+        return scope
+
+    def batch_id(self, *parts: object) -> Plan[str]:
+        prefix = (yield from self.access()).batch_prefix
+        return plans.batch_id(*parts, prefix=prefix)
+
     def submit(self, env: str, task_indices: Sequence[int], fields: SubmitFields) -> Plan[Submission]:
-        return plans.submit(self.retries, env, task_indices, **fields)
+        if fields.get("batch_id") is None:  # generated here: in the key's scope
+            prefix = (yield from self.access()).batch_prefix
+            return (yield from plans.submit(self.retries, env, task_indices, **fields, batch_prefix=prefix))
+        return (yield from plans.submit(self.retries, env, task_indices, **fields))
 
     def wait(self, batch_id: str, timeout: float | None, poll: float) -> Plan[dict[str, Any]]:
         return plans.wait(self.retries, batch_id, timeout, poll, self.timeout)
@@ -149,6 +169,15 @@ class RolloutClient:
     def envs(self) -> list[dict[str, Any]]:
         """GET /envs: the environments, their splits and sizes."""
         return self._run(self._api.envs())
+
+    def access(self) -> Access:
+        """GET /access (asked once): what the key opens; a project key's batch ids start with its
+        `batch_prefix`."""
+        return self._run(self._api.access())
+
+    def batch_id(self, *parts: object) -> str:
+        """A batch id from its parts (steps.batch_id), in the key's scope: its project's prefix first."""
+        return self._run(self._api.batch_id(*parts))
 
     def submit(self, env: str, task_indices: Sequence[int], **fields: Unpack[SubmitFields]) -> Submission:
         """POST /episodes: `samples_per_task`, `task_split`, `sampling_params`, `max_turns`,
@@ -239,6 +268,12 @@ class AsyncRolloutClient:
 
     async def envs(self) -> list[dict[str, Any]]:
         return await self._run(self._api.envs())
+
+    async def access(self) -> Access:
+        return await self._run(self._api.access())
+
+    async def batch_id(self, *parts: object) -> str:
+        return await self._run(self._api.batch_id(*parts))
 
     async def submit(
         self, env: str, task_indices: Sequence[int], **fields: Unpack[SubmitFields]

@@ -47,7 +47,6 @@ from rollout_client.steps import (
     ServiceConfig,
     StepBatch,
     StepCounts,
-    batch_id,
     digest,
     response_for_trainer,
     rewards_for_grpo,
@@ -159,17 +158,17 @@ class ServiceExecutor:
         key = digest([prompt, label])
         occurrence = self._occurrences.get(key, 0)
         self._occurrences[key] = occurrence + 1
-        step = StepBatch(
-            batch_id=batch_id(self.run_id, task, key, occurrence, f"n{samples}"),
-            env=self.service.env,
-            tasks=[task],
-            samples=samples,
-            task_split=self.service.task_split,
-            sampling_params=sglang_sampling_params(sampling_params),
-            max_turns=self.service.max_turns,
-            metadata={"openrlhf_occurrence": occurrence},
-        )
         async with AsyncRolloutClient(self.service.url, self.service.api_key) as client:
+            step = StepBatch(
+                batch_id=await client.batch_id(self.run_id, task, key, occurrence, f"n{samples}"),
+                env=self.service.env,
+                tasks=[task],
+                samples=samples,
+                task_split=self.service.task_split,
+                sampling_params=sglang_sampling_params(sampling_params),
+                max_turns=self.service.max_turns,
+                metadata={"openrlhf_occurrence": occurrence},
+            )
             episodes = await self._waiter().group(client, step, self.counts)
         with_logprobs = getattr(sampling_params, "logprobs", None) is not None
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

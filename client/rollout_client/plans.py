@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
@@ -132,6 +133,33 @@ def json_of(call: Call, retries: Retries) -> Plan[Any]:
     return response.json()
 
 
+def batch_id(*parts: object, prefix: str = "") -> str:
+    """A batch id from its parts, within the service's alphabet ([A-Za-z0-9._:-], 128 characters),
+    starting with `prefix`: a project key's (GET /access), outside which the service refuses it."""
+    return (prefix + re.sub(r"[^A-Za-z0-9._:-]", "_", "-".join(str(part) for part in parts)))[:128]
+
+
+@dataclass(frozen=True)
+class Access:
+    """What the client's key opens (GET /access): every batch (an admin), or one project's, whose
+    batch ids start with `batch_prefix`."""
+
+    admin: bool
+    project: str | None
+    batch_prefix: str
+
+
+def access(retries: Retries) -> Plan[Access]:
+    """GET /access; a service that predates it (404) has no scoped keys: an admin's."""
+    try:
+        answer = yield from json_of(Call("GET", "/access"), retries)
+    except RequestError as error:
+        if error.status_code != 404:
+            raise
+        return Access(admin=True, project=None, batch_prefix="")
+    return Access(admin=answer["admin"], project=answer["project"], batch_prefix=answer["batch_prefix"])
+
+
 def submit(
     retries: Retries,
     env: str,
@@ -144,9 +172,11 @@ def submit(
     max_response_tokens: int | None = None,
     metadata: dict[str, Any] | None = None,
     batch_id: str | None = None,
+    batch_prefix: str = "",
 ) -> Plan[Submission]:
     """POST /episodes under a batch id fixed before the first try: a retry after a lost answer
-    gets the same episodes back, never a second copy."""
+    gets the same episodes back, never a second copy. A generated id starts with `batch_prefix`
+    (a project key's: GET /access)."""
     optional = {
         "task_split": task_split,
         "sampling_params": sampling_params,
@@ -155,7 +185,7 @@ def submit(
         "metadata": metadata,
     }
     body = {
-        "batch_id": batch_id or f"b-{uuid.uuid4().hex}",
+        "batch_id": batch_id or f"{batch_prefix}b-{uuid.uuid4().hex}",
         "env": env,
         # operator.index: numpy integers (a trainer's usual) become JSON numbers; floats are refused.
         "task_indices": [operator.index(task) for task in task_indices],

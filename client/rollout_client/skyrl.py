@@ -42,7 +42,6 @@ from rollout_client.steps import (
     ServiceConfig,
     StepBatch,
     StepCounts,
-    batch_id,
     digest,
     pull_step_async,
     response_for_trainer,
@@ -127,7 +126,7 @@ class RolloutServiceGenerator:
                 chosen = [group for group in groups if group[1] == size]
                 tasks = [task for _, _, task in chosen]
                 step_batch = StepBatch(
-                    batch_id=batch_id(self.run_id, phase, step, call, f"n{size}", digest(tasks)),
+                    batch_id=await client.batch_id(self.run_id, phase, step, call, f"n{size}", digest(tasks)),
                     env=self.service.env,
                     tasks=tasks,
                     samples=size,

@@ -28,7 +28,6 @@ from typing import Any
 
 from rollout_client import AsyncRolloutClient, EpisodeArrays, RolloutClient
 from rollout_client.steps import ServiceConfig, cancel_once_submitted
-from rollout_client.steps import batch_id as make_batch_id
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +161,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     cancels this coroutine, the episode is cancelled in the service too."""
     config = ServiceConfig.from_env(adapter="slime")
     client = _async_client(asyncio.get_running_loop(), config.url, config.api_key)
-    batch_id = make_batch_id(run_id_of(args, config), "sample", sample.index, uuid.uuid4().hex[:12])
+    batch_id = await client.batch_id(run_id_of(args, config), "sample", sample.index, uuid.uuid4().hex[:12])
     submitting = asyncio.ensure_future(
         client.submit(
             config.env,
@@ -229,7 +228,7 @@ def _train(args: Any, rollout_id: int, data_source: Any, client: RolloutClient, 
     while len(data) < target:
         while remaining < target:
             groups = data_source.get_samples(args.over_sampling_batch_size)
-            batch_id = make_batch_id(run_id, "rollout", rollout_id, len(submitted))
+            batch_id = client.batch_id(run_id, "rollout", rollout_id, len(submitted))
             client.submit(
                 config.env,
                 [task_index_of(group[0]) for group in groups],
@@ -304,7 +303,7 @@ def _evaluate(args: Any, rollout_id: int, client: RolloutClient, config: HookCon
     for dataset in getattr(args, "eval_datasets", None) or []:
         tasks = _task_indices(Path(dataset.path), dataset.input_key or "index")
         samples_per_task = dataset.n_samples_per_eval_prompt
-        batch_id = make_batch_id(run_id, "eval", rollout_id, dataset.name)
+        batch_id = client.batch_id(run_id, "eval", rollout_id, dataset.name)
         client.submit(
             config.env,
             tasks,

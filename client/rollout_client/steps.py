@@ -10,7 +10,6 @@ import hashlib
 import importlib
 import json
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ import numpy.typing as npt
 from rollout_client.batch import EpisodeArrays
 from rollout_client.client import AsyncRolloutClient, RolloutClient
 from rollout_client.errors import RequestError, RolloutError
+from rollout_client.plans import batch_id as batch_id
 
 DEFAULT_TASK_SPLIT = "train"
 DEFAULT_EVAL_TASK_SPLIT = "test"  # a trainer's validation or eval mode
@@ -100,11 +100,6 @@ def sglang_sampling_params(params: Any) -> dict[str, Any]:
     return {
         VLLM_SAMPLING_NAMES[k]: v for k, v in values.items() if k in VLLM_SAMPLING_NAMES and v is not None
     }
-
-
-def batch_id(*parts: object) -> str:
-    """A batch id from its parts, within the service's alphabet ([A-Za-z0-9._:-], 128 characters)."""
-    return re.sub(r"[^A-Za-z0-9._:-]", "_", "-".join(str(part) for part in parts))[:128]
 
 
 def digest(value: object) -> str:

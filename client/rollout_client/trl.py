@@ -38,7 +38,6 @@ from rollout_client.steps import (
     ServiceConfig,
     StepBatch,
     StepCounts,
-    batch_id,
     digest,
     pull_step,
     response_for_trainer,
@@ -125,7 +124,9 @@ class ServiceRollout:
                 chosen = [group for group in groups if group[1] == size]
                 tasks = [task for _, _, task in chosen]
                 step_batch = StepBatch(
-                    batch_id=batch_id(run_id, mode, step, f"p{process}", call, f"n{size}", digest(tasks)),
+                    batch_id=client.batch_id(
+                        run_id, mode, step, f"p{process}", call, f"n{size}", digest(tasks)
+                    ),
                     env=service.env,
                     tasks=tasks,
                     samples=size,

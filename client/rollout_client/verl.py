@@ -46,7 +46,6 @@ from rollout_client.steps import (
     ServiceConfig,
     StepBatch,
     StepCounts,
-    batch_id,
     digest,
     pull_step,
     rewards_for_grpo,
@@ -269,7 +268,7 @@ class RolloutServiceAgentLoopManager:
             # One service batch per group size: verl's validation pads its batch with copies of rows.
             for size in sorted({length for _, length in runs}):
                 chosen = [index for index, (_, length) in enumerate(runs) if length == size]
-                step_batch = self.step_batch([tasks[index] for index in chosen], size, step, validate)
+                step_batch = self.step_batch(client, [tasks[index] for index in chosen], size, step, validate)
                 for index, episodes in zip(chosen, pull_step(client, step_batch, counts), strict=True):
                     start = runs[index][0]
                     for offset, (episode, reward) in enumerate(
@@ -289,11 +288,13 @@ class RolloutServiceAgentLoopManager:
             },
         )
 
-    def step_batch(self, tasks: list[int], samples: int, step: int, validate: bool) -> StepBatch:
-        """The service batch of a step's groups of one size; its id is the step's, so a restarted
-        trainer asking for the same step gets the same episodes back."""
+    def step_batch(
+        self, client: RolloutClient, tasks: list[int], samples: int, step: int, validate: bool
+    ) -> StepBatch:
+        """The service batch of a step's groups of one size; its id is the step's (in the key's
+        scope), so a restarted trainer asking for the same step gets the same episodes back."""
         return StepBatch(
-            batch_id=batch_id(
+            batch_id=client.batch_id(
                 self.run_id, "val" if validate else "train", step, f"n{samples}", digest(tasks)
             ),
             env=self.service.env,

@@ -5,6 +5,7 @@ with every outside address blocked. Screenshots of each page go to test-artifact
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlparse
@@ -257,3 +258,42 @@ async def test_the_api_docs_render_offline(client: httpx.AsyncClient, page: Page
     assert await count(page, ".opblock") == sum(len(methods) for methods in operations.values())
     await screenshot(page, "api-docs")
     assert outside == [] and errors.messages == []
+
+
+@pytest.fixture
+async def two_projects(database_url: str, sim: tuple[SimWorker, str]) -> AsyncIterator[tuple[str, str]]:
+    """team-a's batch and team-b's, each submitted with its project's key (API_PROJECTS)."""
+    projects = {"team-a": {"keys": ["key-a"]}, "team-b": {"keys": ["key-b"]}}
+    settings = service_settings(database_url, sim[1], api_keys="admin", api_projects=json.dumps(projects))
+    async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
+        episode_b = ""
+        for batch_id, key in (("team-a:mine", "key-a"), ("team-b:theirs", "key-b")):
+            headers = {"Authorization": f"Bearer {key}"}
+            body = submission(batch_id=batch_id, task_indices=[0], samples_per_task=2)
+            assert (await http.post("/episodes", json=body, headers=headers)).status_code == 202
+            batch = (await http.get(f"/batches/{batch_id}", params={"wait": 60}, headers=headers)).json()
+            assert batch["complete"]
+            episode_b = batch["episodes"][0]["id"]
+        yield url, episode_b
+
+
+async def test_a_project_key_sees_its_projects_batches_alone(
+    two_projects: tuple[str, str], page: Page
+) -> None:
+    url, episode_b = two_projects
+    await page.goto(f"{url}/ui/")
+    await page.fill("#key-form input[name=key]", "key-a")
+    await page.click("#key-form button")
+    await page.locator(".batch-row").first.wait_for()
+    rows = await page.locator(".batch-row").all_inner_texts()
+    assert len(rows) == 1 and "team-a:mine" in rows[0] and "team-b" not in rows[0]
+    await screenshot(page, "batches-of-a-project")
+    # team-b's batch and episode, by their addresses: as if they did not exist.
+    for path, said in (
+        ("#/batches/team-b:theirs", "404: no batch 'team-b:theirs'"),
+        (f"#/episodes/{episode_b}", f"404: no episode '{episode_b}'"),
+    ):
+        await page.goto(f"{url}/ui/{path}")
+        await page.locator(".error-box").wait_for()
+        assert await page.locator(".error-box").inner_text() == said
+        assert await count(page, ".group-row, .sample, #transcript") == 0

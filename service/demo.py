@@ -97,6 +97,7 @@ async def _run(settings: Settings, tasks: int, samples: int) -> int:
 
 
 ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
+NO_KEYS = SecretStr("")  # the demo's service is its own, in this process: open, whatever the environment sets
 
 
 def python_command() -> str:
@@ -121,13 +122,21 @@ def run_demo(
     run_migrations(database_url)
     if engine_url is not None:  # a real engine (scripts/demo_vllm.sh starts one)
         settings = Settings(
-            database_url=database_url, sglang_url=engine_url, engine=engine, api_keys=SecretStr("")
+            database_url=database_url,
+            sglang_url=engine_url,
+            engine=engine,
+            api_keys=NO_KEYS,
+            api_projects=NO_KEYS,
         )
         print(f"database {database_url}; {ENGINE_NAMES[engine]} at {engine_url}")
         return asyncio.run(_run(settings, tasks, samples))
     with serve_in_thread(create_sim_app(SimConfig(latency_seconds=0.05))) as sim_url:
         settings = Settings(
-            database_url=database_url, sglang_url=sim_url, engine=engine, api_keys=SecretStr("")
+            database_url=database_url,
+            sglang_url=sim_url,
+            engine=engine,
+            api_keys=NO_KEYS,
+            api_projects=NO_KEYS,
         )
         print(f"database {database_url}; simulated {ENGINE_NAMES[engine]} worker at {sim_url}")
         return asyncio.run(_run(settings, tasks, samples))

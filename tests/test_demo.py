@@ -10,8 +10,11 @@ from service.demo import python_command, run_demo
 
 
 def test_the_demo_runs_a_batch_and_summarizes_it(
-    tmp_path: object, capsys: pytest.CaptureFixture[str]
+    tmp_path: object, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Keys in the environment (a deployment's) do not lock the demo out of its own service.
+    monkeypatch.setenv("API_KEYS", "admin-key")
+    monkeypatch.setenv("API_PROJECTS", '{"team-a": {"keys": ["key-a"]}}')
     assert run_demo(database_url=f"sqlite+aiosqlite:///{tmp_path}/demo.db", tasks=3, samples=2) == 0
     out = capsys.readouterr().out
     assert "submitted batch" in out and "3 tasks x 2 samples of builtin/shop" in out

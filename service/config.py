@@ -95,7 +95,7 @@ _PROJECTS = TypeAdapter(dict[str, ProjectKeys])
 
 class KeyTable:
     """API key -> what it opens: API_KEYS are admin keys, each of API_PROJECTS' keys opens its
-    project's batches. Looked up in constant time per key, every key compared (auth.is_one_of)."""
+    project's batches. A lookup compares every key, each in constant time (hmac.compare_digest)."""
 
     def __init__(self, admin_keys: list[str], projects: dict[str, Access], project_keys: dict[str, str]):
         self.entries: list[tuple[bytes, Access]] = [(key.encode(), ADMIN) for key in admin_keys] + [
@@ -155,8 +155,9 @@ class KeyTable:
                     )
             projects[name] = Access(project=name, batch_prefix=prefix)
             for key in project.keys:
-                if not key.strip() or key != key.strip() or any(char.isspace() for char in key):
-                    raise ValueError(f"project {name!r}: a key is empty or holds whitespace")
+                if not key or not key.isascii() or not key.isprintable() or " " in key:
+                    # What a header carries as sent: printable ASCII, and a bearer key no space.
+                    raise ValueError(f"project {name!r}: a key is empty, or holds whitespace or non-ASCII")
                 if key in owner:
                     where = "API_KEYS" if owner[key] == "API_KEYS" else f"project {owner[key]!r}"
                     raise ValueError(f"project {name!r}: one of its keys is also a key of {where}")

@@ -42,7 +42,7 @@ demo-vllm: $(STAMP)
 test: lint pytest test-verifiers
 
 lint: $(STAMP)
-	$(BIN)/ruff check service client tests bench scripts docker examples
+	$(BIN)/ruff check service client tests bench scripts docker examples docs
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

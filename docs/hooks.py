@@ -34,7 +34,17 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the service's own definitions: Settings, Metrics, the Arrow schema
     sys.path.insert(0, str(ROOT))
 
-REPO_FOLDERS = ("service", "client", "examples", "tests", "bench", "docker", "deploy", "scripts", "migrations")
+REPO_FOLDERS = (
+    "service",
+    "client",
+    "examples",
+    "tests",
+    "bench",
+    "docker",
+    "deploy",
+    "scripts",
+    "migrations",
+)
 REPO_LINK = re.compile(r"\[([^\]]+)\]\(repo:([^)\s#]+)(#[^)]*)?\)")
 INCLUDE = re.compile(r"^<!-- include: (\S+) -->$", re.MULTILINE)
 GENERATED = re.compile(r"^<!-- generated: (\w[\w-]*)(?: (\S+))? -->$", re.MULTILINE)
@@ -119,7 +129,13 @@ def generated(name: str, argument: str | None, where: str) -> str:
 
 
 def cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Text for a table cell: its code spans as they are, the rest with Markdown's and HTML's
+    special characters escaped (a description's `<key>` or `USER_SIM_*` is text)."""
+    parts = text.replace("\n", " ").split("`")
+    for index in range(0, len(parts), 2):
+        part = parts[index].replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        parts[index] = re.sub(r"([*_\\\[\]])", r"\\\1", part)
+    return "`".join(parts).replace("|", "\\|")
 
 
 def type_name(annotation: Any) -> str:
@@ -152,7 +168,7 @@ def default_text(field: Any) -> str:
     text = str(default).lower() if isinstance(default, bool) else str(default)
     if "\n" in text or len(text) > 60:
         return "*long text: see `service/config.py`*"
-    return f"`{cell(text)}`"
+    return f"`{text}`".replace("|", "\\|")
 
 
 def bounds(field: Any) -> str:
@@ -190,7 +206,8 @@ def settings_tables() -> str:
     from service.config import Settings, UserSimSettings
 
     lines = settings_rows(Settings, skip={"user_sim"})
-    lines += ["", "### The user simulator and the judge", "", str(Settings.model_fields["user_sim"].description)]
+    user_sim = str(Settings.model_fields["user_sim"].description)
+    lines += ["", "### The user simulator and the judge", "", user_sim]
     lines += ["", *settings_rows(UserSimSettings, skip=set())]
     return "\n".join(lines)
 

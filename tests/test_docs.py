@@ -18,10 +18,10 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
+import rollout_client
 import yaml
 from mkdocs.exceptions import PluginError
 
-import rollout_client
 from service.api.arrow import ARROW_SCHEMA
 from service.config import environment_names
 
@@ -113,9 +113,9 @@ def load_hooks() -> ModuleType:
 @pytest.mark.parametrize(
     ("markdown", "said"),
     [
-        pytest.param("See [the bench](repo:bench/no_such_bench.py).", "bench/no_such_bench.py", id="a-repo-link"),
-        pytest.param("`tests/test_no_such_thing.py` checks it.", "tests/test_no_such_thing.py", id="a-named-file"),
-        pytest.param("<!-- include: examples/no_such/README.md -->", "examples/no_such/README.md", id="an-include"),
+        pytest.param("See [it](repo:bench/no_such_bench.py).", "bench/no_such_bench.py", id="a-repo-link"),
+        pytest.param("`tests/test_no_such.py` checks it.", "tests/test_no_such.py", id="a-named-file"),
+        pytest.param("<!-- include: examples/no_such/README.md -->", "examples/no_such", id="an-include"),
     ],
 )  # fmt: skip
 def test_a_repository_path_that_does_not_exist_fails_the_build(markdown: str, said: str) -> None:
@@ -126,7 +126,8 @@ def test_a_repository_path_that_does_not_exist_fails_the_build(markdown: str, sa
     site_config = SimpleNamespace(extra={})
     with pytest.raises(PluginError, match=re.escape(said)):
         hooks.on_page_markdown(markdown, page, site_config, None)
-    fine = hooks.on_page_markdown("[the bench](repo:bench/common.py), `tests/test_docs.py`", page, site_config, None)
+    fine = "[the bench](repo:bench/common.py), `tests/test_docs.py`"
+    fine = hooks.on_page_markdown(fine, page, site_config, None)
     assert fine == "the bench (`bench/common.py`), `tests/test_docs.py`"
 
 
@@ -269,8 +270,9 @@ def test_the_readme_is_a_short_front_page_whose_links_resolve() -> None:
         assert (ROOT / path).exists(), f"the README links to {target}, which is not in the repository"
     pages = {path.relative_to(ROOT).as_posix() for path in DOCS.rglob("*.md")}
     linked = {target.split("#", 1)[0] for target in local}
-    assert {"docs/getting-started/index.md", "docs/trainers/index.md", "docs/environments.md",
-            "docs/agents/index.md", "docs/operators/kubernetes.md", "docs/benchmarks.md"} <= linked & pages  # fmt: skip
+    readers = {"docs/getting-started/index.md", "docs/trainers/index.md", "docs/environments.md",
+               "docs/agents/index.md", "docs/operators/kubernetes.md", "docs/benchmarks.md"}  # fmt: skip
+    assert readers <= linked & pages
 
 
 def test_the_readme_quickstart_names_real_make_targets() -> None:

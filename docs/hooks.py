@@ -61,7 +61,29 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
         check_arrow_schema(markdown, where)
     check_code_paths(markdown, where)
     blob_url = str(config.extra.get("repo_blob_url") or "").rstrip("/")
-    return REPO_LINK.sub(lambda match: repo_link(match, blob_url, where), markdown)
+    markdown = REPO_LINK.sub(lambda match: repo_link(match, blob_url, where), markdown)
+    if "[OAD(" in page.file.content_string:  # the plugin's API reference, already in its own nesting
+        return markdown
+    return nest_lists(markdown)
+
+
+def nest_lists(markdown: str) -> str:
+    """The pages are written as GitHub reads them, a nested list 2 spaces in; Python-Markdown nests
+    by 4. Every indentation is doubled, a fenced block's lines moved with its opening line."""
+    lines = []
+    fence: tuple[str, int] | None = None  # the open fence's marker and how far it moved
+    for line in markdown.splitlines():
+        stripped = line.lstrip(" ")
+        indent = len(line) - len(stripped)
+        if fence is not None:
+            lines.append(" " * fence[1] + line if line.strip() else line)
+            if stripped.startswith(fence[0]) and not stripped.strip("`~"):
+                fence = None
+            continue
+        lines.append(" " * indent + line if stripped else line)
+        if stripped.startswith(("```", "~~~")):
+            fence = (stripped[:3], indent)
+    return "\n".join(lines) + ("\n" if markdown.endswith("\n") else "")
 
 
 # --- Repository paths ---------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_a_repository_path_that_does_not_exist_fails_the_build(markdown: str, sa
     """The hooks' own checks (a build runs them on every page; the build above shows a failing page
     aborts it), on a page of one line."""
     hooks = load_hooks()
-    page = SimpleNamespace(file=SimpleNamespace(src_uri="benchmarks.md"))
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="benchmarks.md", content_string=""))
     site_config = SimpleNamespace(extra={})
     with pytest.raises(PluginError, match=re.escape(said)):
         hooks.on_page_markdown(markdown, page, site_config, None)

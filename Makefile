@@ -6,12 +6,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-vllm test lint pytest test-verifiers openapi bench serve clean
+.PHONY: install demo demo-vllm test lint pytest test-verifiers openapi docs bench serve clean
 
 $(STAMP): pyproject.toml client/pyproject.toml examples/helpdesk_env/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev,reasoning-gym,remote]" -e ./client -e ./examples/helpdesk_env
+	$(BIN)/python -m pip install --quiet -e ".[dev,docs,reasoning-gym,remote]" -e ./client -e ./examples/helpdesk_env
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,7 +42,7 @@ demo-vllm: $(STAMP)
 test: lint pytest test-verifiers
 
 lint: $(STAMP)
-	$(BIN)/ruff check service client tests bench scripts docker examples
+	$(BIN)/ruff check service client tests bench scripts docker examples docs
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
@@ -68,6 +68,11 @@ test-verifiers: $(VERIFIERS_STAMP)
 openapi: $(STAMP)
 	$(BIN)/python -m service openapi --output openapi.yaml
 
+# The documentation site into site/ (mkdocs.yml; strict: a broken link or a page missing from the
+# navigation fails it). `$(BIN)/mkdocs serve` shows it at http://127.0.0.1:8000 while you edit.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 bench: $(STAMP)
 	for bench in bench/*.py; do echo "== $$bench"; $(BIN)/python $$bench || exit 1; done
 
@@ -75,4 +80,4 @@ serve: $(STAMP)
 	$(BIN)/python -m service serve --migrate
 
 clean:
-	rm -rf $(VENV) $(VERIFIERS_VENV) demo.db demo-vllm.db rollouts.db .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERIFIERS_VENV) site demo.db demo-vllm.db rollouts.db .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -38,7 +38,7 @@ def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     built = tmp_path_factory.mktemp("site")
     result = mkdocs_build(CONFIG, built)

@@ -195,6 +195,17 @@ async def store_call(
     return StoredCall(after, columns)
 
 
+async def closed_segments(database: Database, episode_id: str) -> list[tuple[list[Any], list[Any]]]:
+    """The turns and messages of the episode's closed segments, latest first (no token blobs)."""
+    async with database.read_only.connect() as connection:
+        rows = await connection.execute(
+            select(EpisodeSegment.turns, EpisodeSegment.messages)
+            .where(EpisodeSegment.episode_id == episode_id)
+            .order_by(EpisodeSegment.segment.desc())
+        )
+        return [(list(row.turns or []), list(row.messages or [])) for row in rows]
+
+
 UNPLAYED = "finished before its first call: an episode the model never played is no sample"
 
 

@@ -20,12 +20,11 @@ from service.agents.conversation import (
     Answer,
     ChatCall,
     ToolCall,
-    after_previous,
     continuation,
     named_tool_results,
     template_message,
 )
-from service.agents.errors import EngineRefused, EngineUnavailable, EpisodeClosed, UnknownResponse
+from service.agents.errors import EngineRefused, EngineUnavailable, EpisodeClosed
 from service.agents.repository import AgentEpisode, Segment
 from service.agents.streaming import GONE, AnswerStream, TextDeltas
 from service.engine.client import EngineError, EngineRequestError, Generation, OnTokens
@@ -154,19 +153,13 @@ class AgentTurns:
         self, episode: AgentEpisode, call: ChatCall, stream: AnswerStream | None = None
     ) -> AnsweredCall:
         """Samples the answer to `call` and records it in the episode's segment (`episode` is this
-        call's own copy); raises EpisodeClosed, EngineRefused or EngineUnavailable. With `stream`,
+        call's own copy, `call` its whole conversation); raises EpisodeClosed, EngineRefused or
+        EngineUnavailable. With `stream`,
         the sampled text goes there as the engine samples it; if its agent leaves meanwhile, the
         generation is aborted and what it sampled is the call's answer."""
         if episode.calls >= episode.max_turns:
             raise EpisodeClosed(f"the episode made its max_turns ({episode.max_turns}) calls")
-        if call.previous_call is not None:
-            messages = after_previous(episode.last, call)
-            if messages is None:
-                raise UnknownResponse(
-                    f"call {call.previous_call} is not the episode's latest answer: only that one is "
-                    "continued; send the whole conversation instead"
-                )
-            call = replace(call, messages=messages, previous_call=None)
+        assert call.previous_call is None, "resolved by AgentSessions: the conversation is whole here"
         call = replace(call, messages=named_tool_results(call.messages))
         segment, closed, context = self._segment_for(episode, call)
         tokens = segment.tokens

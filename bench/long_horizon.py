@@ -15,7 +15,8 @@ every call as the `openai` package does (a long system prompt, then each answer 
 message), against the simulated worker (this process's thread). CPU is the service process's own
 (the on-CPU time of its threads, /proc's schedstat, in nanoseconds), from before a call is sent to
 after its answer is read: everything the service does for that call, none of the agent's or the
-engine's. `--profile FILE` runs the service under cProfile and writes its stats there.
+engine's. `--profile FILE` runs the service under pyinstrument (which must be importable) and
+writes its profile there as text.
 
 Run from the repo root:
     .venv/bin/python bench/long_horizon.py [--context 65536] [--repeats 3]
@@ -159,6 +160,22 @@ async def run_episode(context: int, turns: int) -> list[float]:
     return [later - earlier for earlier, later in zip(timed.marks, timed.marks[1:], strict=False)]
 
 
+# `python -m service` under pyinstrument (its event loop's thread, sampled every millisecond), the
+# profile written as text on SIGTERM (uvicorn raises it again once it stopped).
+PROFILED = """
+import os, runpy, signal, sys
+from pyinstrument import Profiler
+profiler = Profiler(interval=0.001)
+def written(*_):
+    profiler.stop()
+    with open({stats!r}, "w") as out:
+        out.write(profiler.output_text(unicode=True, show_all=False))
+    os._exit(0)
+signal.signal(signal.SIGTERM, written)
+sys.argv = ["service", *sys.argv[1:]]
+profiler.start()
+runpy.run_module("service", run_name="__main__")
+"""
 ANSWER = "Order 42 has shipped: 2 items, paid by card. Anything else about it?"
 
 
@@ -222,10 +239,12 @@ def run_external(context: int, turns: int, database: str, profile: Path | None) 
             "API_KEYS": "",
             "LOG_LEVEL": "WARNING",
         }
-        profiled = [] if profile is None else ["-m", "cProfile", "-o", str(profile)]
+        serve = ["-m", "service", "serve", "--port", str(port)]
+        if profile is not None:
+            serve = ["-c", PROFILED.format(stats=str(profile)), "serve", "--port", str(port)]
         with log.open("wb") as out:
             process = subprocess.Popen(
-                [sys.executable, *profiled, "-m", "service", "serve", "--port", str(port)],
+                [sys.executable, *serve],
                 cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True,
             )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
@@ -244,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--path", choices=["loop", "external"], default="loop")
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite", help="external only")
-    parser.add_argument("--profile", type=Path, default=None, help="external only: cProfile stats file")
+    parser.add_argument("--profile", type=Path, default=None, help="external only: pyinstrument text profile")
     args = parser.parse_args(argv)
     turns = max(TURNS) + WINDOW + 1
     per_turn: dict[int, list[float]] = {turn: [] for turn in TURNS}

@@ -169,6 +169,7 @@ class AgentTurns:
             loss_mask=list(tokens.loss_mask),
             rollout_logprobs=list(tokens.rollout_logprobs),
         )
+        trajectory.continue_encoding(segment.input_json)  # the segment's ids so far: not encoded again
         trajectory.add_context(context)
         prompt_tokens = len(trajectory.prompt_ids) + len(trajectory.response_ids)
         params = _sampling(episode, call, len(trajectory.response_ids))
@@ -200,6 +201,7 @@ class AgentTurns:
         records[-1].action = actions[0] if actions else None
         records[-1].actions = actions if len(actions) > 1 else None
         segment.tokens = trajectory.tokens()
+        segment.input_json = trajectory.encoded()
         segment.turns += [record.to_json() for record in records]
         segment.messages.append(answer.message | {"sampled": answer.sampled})  # loop/transcript.py's shape
         return AnsweredCall(answer, segment, closed)

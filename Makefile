@@ -5,13 +5,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# The suite runs on this many pytest-xdist workers (`--dist=loadgroup`, pyproject.toml): most of its
+# wall time is waiting (servers starting, engines sampling, polls), so 4 on 2 cores. 0 runs it in-process.
+PYTEST_WORKERS ?= 4
 
-.PHONY: install demo demo-vllm test lint pytest test-verifiers openapi bench serve clean
+.PHONY: install demo demo-vllm test lint pytest test-verifiers openapi docs bench serve clean
 
 $(STAMP): pyproject.toml client/pyproject.toml examples/helpdesk_env/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev,reasoning-gym,remote]" -e ./client -e ./examples/helpdesk_env
+	$(BIN)/python -m pip install --quiet -e ".[dev,docs,reasoning-gym,remote]" -e ./client -e ./examples/helpdesk_env
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -39,10 +42,19 @@ demo-vllm: $(STAMP)
 # browser tests in Debian's Chromium (installed if missing, as root) and the real-engine tests against
 # vLLM on the CPU (scripts/ensure_vllm.sh: a virtualenv and a tiny model cached under ~/.cache, built
 # once). Where one cannot be had, its tests are skipped with that reason, except on CI.
-test: lint pytest test-verifiers
+# The verifiers suite runs beside the main one (its own virtualenv), its output in
+# test-artifacts/test-verifiers.log, shown when it fails.
+test: lint
+	@mkdir -p test-artifacts; \
+	$(MAKE) --no-print-directory test-verifiers > test-artifacts/test-verifiers.log 2>&1 & verifiers=$$!; \
+	$(MAKE) --no-print-directory pytest; pytest=$$?; \
+	wait $$verifiers; verifiers=$$?; \
+	tail -n 3 test-artifacts/test-verifiers.log; \
+	if [ $$verifiers -ne 0 ]; then tail -n 80 test-artifacts/test-verifiers.log; fi; \
+	[ $$pytest -eq 0 ] && [ $$verifiers -eq 0 ]
 
 lint: $(STAMP)
-	$(BIN)/ruff check service client tests bench scripts docker examples
+	$(BIN)/ruff check service client tests bench scripts docker examples docs
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
@@ -56,7 +68,7 @@ pytest: $(STAMP)
 	scripts/ensure_pgbouncer.sh; pgbouncer=$$?; \
 	if [ $$pgbouncer -ne 0 ] && [ $$pgbouncer -ne 3 ]; then exit $$pgbouncer; fi; \
 	ROLLOUT_SKIP_POSTGRES=$$([ $$postgres -eq 3 ] && echo 1) ROLLOUT_SKIP_BROWSER=$$([ $$chromium -eq 3 ] && echo 1) \
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # verifiers environments end to end, on SQLite and the local PostgreSQL (tests/test_verifiers_envs.py).
 test-verifiers: $(VERIFIERS_STAMP)
@@ -68,6 +80,11 @@ test-verifiers: $(VERIFIERS_STAMP)
 openapi: $(STAMP)
 	$(BIN)/python -m service openapi --output openapi.yaml
 
+# The documentation site into site/ (mkdocs.yml; strict: a broken link or a page missing from the
+# navigation fails it). `$(BIN)/mkdocs serve` shows it at http://127.0.0.1:8000 while you edit.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 bench: $(STAMP)
 	for bench in bench/*.py; do echo "== $$bench"; $(BIN)/python $$bench || exit 1; done
 
@@ -75,4 +92,4 @@ serve: $(STAMP)
 	$(BIN)/python -m service serve --migrate
 
 clean:
-	rm -rf $(VENV) $(VERIFIERS_VENV) demo.db demo-vllm.db rollouts.db .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERIFIERS_VENV) site demo.db demo-vllm.db rollouts.db .pytest_cache .mypy_cache .ruff_cache .hypothesis

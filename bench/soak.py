@@ -55,7 +55,8 @@ from bench.common import (  # noqa: E402
 from bench.workers import process_tree_cpu_seconds  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
-TASKS, SAMPLES = 8, 8  # a batch: 64 episodes
+TASKS, SAMPLES = 8, 8
+BATCH = TASKS * SAMPLES  # 64 episodes
 VIEWER_POLL_SECONDS = 5.0
 BATCH_POLL_SECONDS = 30.0  # each trainer's long-poll of its batch
 FIRST_MINUTES = 10  # the throughput baseline
@@ -129,6 +130,7 @@ class Driver:
         self.cancelled_batches = 0
         self.updates = 0
         self.submitting = True
+        self.reserved = 0  # episodes of batches being submitted
         self.room = asyncio.Condition()
 
     def _bad(self, what: str, response: httpx.Response | None, error: Exception | None = None) -> None:
@@ -144,31 +146,41 @@ class Driver:
             self._bad(what, response)
         return response
 
+    def episodes_open(self) -> int:
+        return sum(self.accepted[batch] for batch in self.open)
+
+    def has_room(self) -> bool:
+        return self.episodes_open() + self.reserved + BATCH <= self.in_flight
+
     async def submitter(self) -> None:
+        """Keeps `in_flight` episodes accepted: a batch's room is reserved before its POST, and the
+        POSTs run side by side (one at a time, each waiting seconds behind the service's writer at
+        2,000 in flight, kept only about 700 in flight)."""
         index = 0
         while self.submitting:
             async with self.room:
-                await self.room.wait_for(
-                    lambda: (
-                        not self.submitting
-                        or sum(self.accepted[b] for b in self.open) + TASKS * SAMPLES <= self.in_flight
-                    )
-                )
-            if not self.submitting:
-                return
-            batch_id = f"soak-{index}"
+                await self.room.wait_for(lambda: not self.submitting or self.has_room())
+                if not self.submitting:
+                    return
+                self.reserved += BATCH
+            asyncio.get_running_loop().create_task(self.submit(f"soak-{index}", index))
             index += 1
-            tasks = [(index * TASKS + t) % SHOP_TEST_TASKS for t in range(TASKS)]
-            body = {"batch_id": batch_id, "env": "builtin/shop", "task_split": "test", "task_indices": tasks,
-                    "samples_per_task": SAMPLES, "max_turns": 8,
-                    "sampling_params": {"temperature": 0.7, "max_new_tokens": 64}}  # fmt: skip
-            response = await self._call("submit", "POST", "/episodes", json=body)
-            if response is None or response.status_code != 202:
-                await asyncio.sleep(1)
-                continue
-            self.accepted[batch_id] = len(response.json()["episode_ids"])
-            self.open.add(batch_id)
-            asyncio.get_running_loop().create_task(self.trainer(batch_id))
+
+    async def submit(self, batch_id: str, index: int) -> None:
+        tasks = [(index * TASKS + t) % SHOP_TEST_TASKS for t in range(TASKS)]
+        body = {"batch_id": batch_id, "env": "builtin/shop", "task_split": "test", "task_indices": tasks,
+                "samples_per_task": SAMPLES, "max_turns": 8,
+                "sampling_params": {"temperature": 0.7, "max_new_tokens": 64}}  # fmt: skip
+        response = await self._call("submit", "POST", "/episodes", json=body)
+        if response is None or response.status_code != 202:
+            await asyncio.sleep(1)
+        async with self.room:
+            self.reserved -= BATCH
+            if response is not None and response.status_code == 202:
+                self.accepted[batch_id] = len(response.json()["episode_ids"])
+                self.open.add(batch_id)
+                asyncio.get_running_loop().create_task(self.trainer(batch_id))
+            self.room.notify_all()
 
     async def trainer(self, batch_id: str) -> None:
         while True:
@@ -251,7 +263,8 @@ async def soak(
                   "db_connections": await database_connections(database_url),
                   "health": percentiles_ms(health.latencies[probes0:probes]),
                   "episodes_finished": driver.finished - finished0, "cpu_seconds": round(cpu - cpu0, 1),
-                  "running_batches": len(driver.open), "errors": sum(driver.errors.values())}  # fmt: skip
+                  "running_batches": len(driver.open), "episodes_open": driver.episodes_open(),
+                  "errors": sum(driver.errors.values())}  # fmt: skip
         samples.append(sample)
         print(json.dumps(sample), flush=True)
         cpu0, finished0, probes0 = cpu, driver.finished, probes

@@ -73,8 +73,10 @@ def _summaries_bytes(groups: dict[int, bytes]) -> int:
 class GroupSummaries:
     """The JSON summaries of batches' complete groups, kept to answer the next poll: a group, once
     complete, never changes (each of its episodes' final result is written once), so the polls of a
-    running batch encode each group once. The least recently polled batches go past `max_bytes`;
-    a batch whose summaries alone weigh more is not kept."""
+    running batch encode each group once. A batch is forgotten once a poll finds it whole (its
+    trainer has what it waited for, and an hour's soak of finished batches would otherwise fill the
+    cache); the least recently polled batches go past `max_bytes`, and a batch whose summaries
+    alone weigh more is not kept."""
 
     def __init__(self, max_bytes: int = GROUP_SUMMARIES_BYTES) -> None:
         self._batches: LRUCache[str, dict[int, bytes]] = LRUCache(max_bytes, getsizeof=_summaries_bytes)
@@ -87,4 +89,7 @@ class GroupSummaries:
         try:
             self._batches[batch_id] = self._batches.get(batch_id, {}) | groups
         except ValueError:  # more than max_bytes by itself
-            self._batches.pop(batch_id, None)
+            self.forget(batch_id)
+
+    def forget(self, batch_id: str) -> None:
+        self._batches.pop(batch_id, None)

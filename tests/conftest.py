@@ -212,3 +212,18 @@ async def client(database_url: str, sim: tuple[SimWorker, str]) -> AsyncIterator
     app = create_app(service_settings(database_url, sim[1]))
     async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         yield http
+
+
+WIDER_SCOPES = {"package", "module", "class"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n`, with `--dist=loadgroup`), the tests of a module that share a
+    module- or class-scoped fixture (a vLLM server, a trainer's stand-in) run on one worker, which
+    builds it once; every other test goes wherever a worker is free."""
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        definitions = item._fixtureinfo.name2fixturedefs
+        if any(defs[-1].scope in WIDER_SCOPES for defs in definitions.values() if defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))

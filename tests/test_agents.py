@@ -16,9 +16,10 @@ import openai
 import pyarrow as pa
 import pytest
 
-from service.agents.repository import AgentEpisode, StoredCall
+from service.agents.repository import AgentEpisode, Segment, StoredCall
 from service.agents.service import HeldEpisodes
 from service.app import create_app
+from service.records import EpisodeTokens
 from service.serving import serve_app
 from service.sim.worker import SimRequest, SimWorker
 from service.storage.blobs import TOKEN_BLOBS
@@ -286,7 +287,8 @@ async def test_a_wrong_token_is_refused_without_a_tokenizer(
 def held(episode_id: str, size: int) -> StoredCall:
     episode = AgentEpisode(episode_id, "batch", 0, "running", "token", {}, 8, None, 1, 1, None)
     blobs = {name: b"" for name in TOKEN_BLOBS} | {TOKEN_BLOBS[0]: b"x" * size}
-    return StoredCall(episode, blobs | {"turns": [], "messages": []})
+    segment = Segment(EpisodeTokens([], [], [], []), [], [])  # no lists: its blobs are its size
+    return StoredCall(episode, blobs | {"turns": [], "messages": []}, segment)
 
 
 def test_held_episodes_are_bounded_by_their_token_bytes() -> None:

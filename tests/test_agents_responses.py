@@ -13,7 +13,7 @@ import openai
 import pytest
 from agents import Agent, OpenAIResponsesModel, RunConfig, Runner, function_tool
 
-from service.agents.conversation import Answer, ToolCall
+from service.agents.conversation import Answer, ToolCall, template_message
 from service.agents.openai_responses import ResponseEvents, ResponsesRequest, response_body
 from service.sim.worker import SimWorker
 from tests.support.agents import ANSWER, QUESTION, SYSTEM, TOOLS, finish, open_episodes, replayed
@@ -70,8 +70,6 @@ async def test_chained_responses_get_one_exact_segment(
             tools=[TOOL],  # type: ignore[list-item]
         )
         assert second.output_text == ANSWER and second.previous_response_id == first.id
-        with pytest.raises(openai.UnprocessableEntityError, match="latest answer"):  # not chained twice
-            await client.responses.create(model="policy", previous_response_id=first.id, input="Thanks!")
     episode = await stored_exactly(agent_service, agent_sim[0], agent, calls=2)
     tokenizer = load_test_tokenizer()
     rendered = tokenizer.apply_chat_template(
@@ -79,6 +77,84 @@ async def test_chained_responses_get_one_exact_segment(
     )
     assert episode["prompt_ids"] == tokenizer.encode(rendered, add_special_tokens=False)
     assert episode["messages"][-2]["role"] == "tool" and episode["messages"][-2]["name"] == "get_weather"
+
+
+async def test_a_response_continued_from_an_earlier_one_branches_into_a_new_exact_segment(
+    agent_service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str]
+) -> None:
+    agent, other = await open_episodes(agent_service, samples=2)
+    episode_id = agent["episode_id"]
+
+    def output(call: Any, sky: str) -> list[Any]:
+        return [{"type": "function_call_output", "call_id": call.call_id, "output": sky}]
+
+    async with llm(agent) as client:
+
+        async def respond(previous: str | None, given: Any) -> Any:
+            return await client.responses.create(
+                model="policy",
+                instructions=SYSTEM["content"],
+                input=given,
+                tools=[TOOL],  # type: ignore[list-item]
+                **({"previous_response_id": previous} if previous else {}),  # type: ignore[arg-type]
+            )
+
+        first = await respond(None, QUESTION["content"])  # segment 0: calls 0 and 1
+        call = first.output[-1]
+        assert call.type == "function_call"
+        sunny = await respond(first.id, output(call, "sunny"))
+        # Call 0 again, another tool result: segment 0 closes, segment 1 holds call 2.
+        rainy = await respond(first.id, output(call, "rainy"))
+        assert rainy.output_text == ANSWER and rainy.previous_response_id == first.id
+        # Call 1, in the closed segment (read back from the database): segment 2, calls 3 and 4.
+        rome = await respond(sunny.id, "And in Rome?")
+        assert rome.output[-1].type == "function_call"
+        last = await respond(rome.id, output(rome.output[-1], "cloudy"))
+        assert last.output_text == ANSWER
+        responses = [first.id, sunny.id, rainy.id, rome.id, last.id]
+        assert responses == [f"resp_{episode_id}_{n}" for n in range(5)]
+
+        refused = {
+            "resp_nope_0": "not a response of episode",  # malformed
+            f"resp_{other['episode_id']}_0": "not a response of episode",  # another episode's
+            f"resp_{episode_id}_x": "not a response of episode",
+            f"resp_{episode_id}_\u00b2": "not a response of episode",  # a digit, not an ASCII one
+            f"resp_{episode_id}_5": "has no response 5",  # not made (yet)
+            f"resp_{episode_id}_99": "has no response 99",
+        }
+        for previous, why in refused.items():
+            with pytest.raises(openai.UnprocessableEntityError, match=why) as refusal:
+                await respond(previous, "Hi")
+            assert refusal.value.param == "previous_response_id"
+            assert refusal.value.type == "invalid_request_error"
+
+    assert (await finish(agent_service, agent, reward=1.0)).status_code == 200
+    episode = (await agent_service.get(f"/episodes/{episode_id}")).json()
+    assert episode["status"] == "completed" and episode["num_turns"] == 5 and episode["segments"] == 3
+    closed, branched = episode["earlier_segments"]
+    segments = [closed, branched, episode]
+    assert [[turn["turn"] for turn in segment["turns"]] for segment in segments] == [[0, 1], [2], [3, 4]]
+    calls = sim_calls(agent_sim[0], episode_id, 0)
+    assert len(calls) == 5  # the refused ones never reached the engine
+    for segment in segments:
+        assert_tokens_match_calls(segment, [calls[turn["turn"]] for turn in segment["turns"]])
+    # Each branch's prompt is the conversation through the response it continues, then its input,
+    # rendered whole by the template: the earlier answer as it was sampled.
+    _, system, question, answer, sunny_result, sunny_answer = closed["messages"]
+    assert answer["sampled"] and sunny_result["content"] == "sunny"
+    assert branched["messages"][1:4] == [system, question, answer]
+    assert branched["messages"][4] == {**sunny_result, "content": "rainy"}
+    assert episode["messages"][1:6] == [system, question, answer, sunny_result, sunny_answer]
+    assert episode["messages"][6] == {"role": "user", "content": "And in Rome?"}
+    tokenizer = load_test_tokenizer()
+    for segment, prompt in ((branched, branched["messages"][1:5]), (episode, episode["messages"][1:7])):
+        rendered = tokenizer.apply_chat_template(
+            [template_message(message) for message in prompt],
+            tools=TOOLS,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        assert segment["prompt_ids"] == tokenizer.encode(rendered, add_special_tokens=False)
 
 
 async def test_streamed_responses_replaying_their_items_are_recorded_the_same(
@@ -153,17 +229,49 @@ async def test_an_agents_sdk_agent_over_several_turns_gets_one_exact_segment(
     assert [turn["action"] for turn in episode["turns"]] == ["get_weather", None, "get_weather", None]
 
 
+async def test_an_agents_sdk_agent_chaining_its_responses_and_branching_from_an_earlier_one(
+    agent_service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str]
+) -> None:
+    (agent,) = await open_episodes(agent_service)
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return json.dumps({"sky": "sunny"})
+
+    async with llm(agent) as client:
+        assistant = Agent(name="weather", instructions=SYSTEM["content"], tools=[get_weather])
+        config = RunConfig(model=OpenAIResponsesModel("policy", client), tracing_disabled=True)
+        first = await Runner.run(
+            assistant, QUESTION["content"], run_config=config, auto_previous_response_id=True
+        )
+        again = await Runner.run(
+            assistant, "And tomorrow?", run_config=config, previous_response_id=first.last_response_id
+        )
+        branch = await Runner.run(  # the first run's answer again, another question: a new segment
+            assistant, "And in Rome?", run_config=config, previous_response_id=first.last_response_id
+        )
+    assert first.final_output == again.final_output == branch.final_output == ANSWER
+    assert (await finish(agent_service, agent, reward=1.0)).status_code == 200
+    episode = (await agent_service.get(f"/episodes/{agent['episode_id']}")).json()
+    assert episode["num_turns"] == 6 and episode["segments"] == 2
+    (earlier,) = episode["earlier_segments"]
+    assert [turn["turn"] for turn in earlier["turns"]] == [0, 1, 2, 3]
+    assert [turn["turn"] for turn in episode["turns"]] == [4, 5]
+    calls = sim_calls(agent_sim[0], episode["id"], 0)
+    for segment in (earlier, episode):
+        assert_tokens_match_calls(segment, [calls[turn["turn"]] for turn in segment["turns"]])
+    assert episode["messages"][1:6] == earlier["messages"][1:6]  # through the first run's answer
+
+
 async def test_refusals_and_a_cut_answer(agent_service: httpx.AsyncClient) -> None:
-    first, second = await open_episodes(agent_service, samples=2)
+    (first,) = await open_episodes(agent_service)
     async with llm(first) as client:
         with pytest.raises(openai.UnprocessableEntityError, match="built-in tools"):
             await client.responses.create(model="policy", input="Hi", tools=[{"type": "web_search"}])
         cut = await client.responses.create(model="policy", input="Hi", max_output_tokens=3)
         assert cut.status == "incomplete" and cut.incomplete_details is not None
         assert cut.incomplete_details.reason == "max_output_tokens" and cut.usage.output_tokens == 3  # type: ignore[union-attr]
-        for previous in ("resp_nope_0", f"resp_{second['episode_id']}_0", f"resp_{first['episode_id']}_7"):
-            with pytest.raises(openai.UnprocessableEntityError, match=r"previous_response_id|latest answer"):
-                await client.responses.create(model="policy", input="Hi", previous_response_id=previous)
         with pytest.raises(openai.UnprocessableEntityError):
             await client.responses.create(model="policy", input=[{"type": "item_reference", "id": "x"}])  # type: ignore[list-item]
 

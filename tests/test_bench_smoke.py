@@ -165,6 +165,14 @@ def test_long_horizon_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(result[f"turn_{turn}_cpu_ms"] > 0 for turn in (8, 32, 128))
 
 
+def test_long_horizon_external_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("long_horizon")
+    bench.main(["--path", "external", "--context", "12000", "--repeats", "1"])
+    result = last_json_line(capsys.readouterr().out)
+    assert result["path"] == "external" and result["database"] == "sqlite"
+    assert all(result[f"turn_{turn}_cpu_ms"] > 0 for turn in (8, 32, 128))
+
+
 def test_prefix_cache_quick(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("prefix_cache")
     bench.main(["--groups", "4", "--samples", "4", "--workers", "2"])

@@ -195,7 +195,7 @@ async def test_misbehaving_envs_abort_with_their_error(
     for episode in episodes:
         assert episode["status"] == "aborted"
         assert needle in episode["error"]
-        # The env's own last reward if it gave one before failing (the README's rule for aborted).
+        # The env's own last reward if it gave one before failing (docs/trainers/statuses.md, aborted).
         assert episode["reward"] == (0.0 if split == "late" else None)
 
 

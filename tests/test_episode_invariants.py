@@ -242,7 +242,7 @@ def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
     if ends_on_assistant and engine.variant.rewrites_last_assistant:
         return  # a re-render adds a think block the model never saw; the stored ids are right
     # The transcript as the model was fed it: each assistant turn as sampled, each tool result as
-    # the loop renders it (README: "messages_json").
+    # the loop renders it (docs/trainers/arrow-schema.md: "The transcript").
     fed = [
         {"role": "assistant", "content": m["sampled"]}
         if m["role"] == "assistant"

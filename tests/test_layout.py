@@ -157,14 +157,16 @@ def test_each_trainer_adapter_imports_alone(adapter: str) -> None:
     assert not others & set(loaded.stdout.split()), loaded.stdout
 
 
-# --- The README's layout -----------------------------------------------------------------------------
+# --- The layout (docs/reference/layout.md) ---------------------------------------------------------
+
+LAYOUT_PAGE = ROOT / "docs" / "reference" / "layout.md"
 
 
-def readme_layout() -> list[tuple[str, str]]:
-    """(entry, its description) per entry of the README's layout block, an entry indented under a
+def layout_entries() -> list[tuple[str, str]]:
+    """(entry, its description) per entry of the layout page's block, an entry indented under a
     folder as `<folder>/<name>`."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = readme.split("## Layout\n\n```\n", 1)[1].split("```\n", 1)[0]
+    page = LAYOUT_PAGE.read_text(encoding="utf-8")
+    block = page.split("\n```\n", 1)[1].split("```\n", 1)[0]
     entries: list[tuple[str, str]] = []
     folder = ""
     for line in block.splitlines():
@@ -181,21 +183,21 @@ def readme_layout() -> list[tuple[str, str]]:
     return entries
 
 
-def test_the_readme_layout_matches_the_tree() -> None:
-    entries = readme_layout()
+def test_the_layout_page_matches_the_tree() -> None:
+    entries = layout_entries()
     for entry, description in entries:
-        assert (ROOT / entry).exists(), f"the README's layout names {entry}, which is not in the tree"
+        assert (ROOT / entry).exists(), f"the layout page names {entry}, which is not in the tree"
         folder = ROOT / entry if entry.endswith("/") else (ROOT / entry).parent
         for named in re.findall(r"\b[\w/]+\.py\b", description):
             where = folder.relative_to(ROOT)
-            assert (folder / named).exists(), f"the README's layout puts {named} in {where}"
+            assert (folder / named).exists(), f"the layout page puts {named} in {where}"
     service_text = " ".join(f"{entry} {text}" for entry, text in entries if entry.startswith("service/"))
     for path in PACKAGE_DIR.iterdir():
         name = path.name + "/" if path.is_dir() else path.name
         if name in {"__init__.py", "__pycache__/"} or not (path.is_dir() or name.endswith(".py")):
             continue
         named = re.search(rf"(^|[\s(/]){re.escape(name)}", service_text)
-        assert named, f"the README's layout lacks service/{name}"
+        assert named, f"the layout page lacks service/{name}"
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
     folders = {line.split("/")[0] + "/" for line in tracked.stdout.splitlines() if "/" in line[1:]}
-    assert folders - {".ci/"} <= {entry for entry, _ in entries}, "the README's layout lacks a folder"
+    assert folders - {".ci/"} <= {entry for entry, _ in entries}, "the layout page lacks a folder"

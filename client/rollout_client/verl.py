@@ -211,7 +211,7 @@ class RolloutServiceAgentLoopManager:
     """verl's AgentLoopManager, with the rollout service running each step's episodes. verl's own
     rollout replicas are not started: the service's engines serve the rollouts (`rollout_replicas`
     is empty, so verl's checkpoint manager syncs no weights: push them to the service's engines as
-    the README says)."""
+    examples/verl/README.md says)."""
 
     tensor = staticmethod(_tensor)  # numpy -> the trainer's tensor type
 

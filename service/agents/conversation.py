@@ -26,8 +26,9 @@ class ChatCall:
     tools: list[dict[str, Any]] | None  # OpenAI's function tools
     sampling: dict[str, Any]  # the agent's, as SGLang names them
     max_tokens: int | None
-    # The earlier call whose conversation `messages` continue (Responses' previous_response_id):
-    # `messages` are then only what follows it, and a system message first replaces that call's.
+    # The earlier call of the episode whose conversation `messages` continue (Responses'
+    # previous_response_id), any of them: `messages` are then only what follows its answer, and a
+    # system message first replaces that call's.
     previous_call: int | None = None
 
 
@@ -138,14 +139,26 @@ def continuation(
     return new
 
 
-def after_previous(segment: Segment | None, call: ChatCall) -> list[dict[str, Any]] | None:
-    """The whole conversation of a call that continues an earlier one (`previous_call`): that
-    call's messages and answer (as `segment` recorded them), then the call's; a system message the
-    call opens with takes the earlier one's place. None unless the earlier call is the segment's last."""
-    if segment is None or not segment.turns or segment.turns[-1].get("turn") != call.previous_call:
+def answered_through(
+    turns: list[dict[str, Any]], messages: list[dict[str, Any]], call: int
+) -> list[dict[str, Any]] | None:
+    """The conversation of a segment (its `turns` and `messages`) through the answer to episode
+    call `call` (its messages after the tools head: what that call was sent, then its answer), or
+    None when that call is not one of the segment's. A segment's answers are its last assistant
+    messages, one per call it answered (its first call's prompt may hold the agent's own assistant
+    messages before them)."""
+    answered = list(dict.fromkeys(turn.get("turn") for turn in turns))  # resumes share a call
+    if call not in answered:
         return None
-    earlier = segment.messages[1:]
-    new = call.messages
+    assistants = [at for at, message in enumerate(messages) if message.get("role") == "assistant"]
+    answer = assistants[len(assistants) - len(answered) + answered.index(call)]
+    return messages[1 : answer + 1]
+
+
+def after_previous(earlier: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The whole conversation of a call that continues an earlier one (`previous_call`): that
+    call's conversation through its answer (`earlier`: answered_through), then the call's own
+    messages (`new`); a system message these open with takes the earlier one's place."""
     if new and new[0].get("role") == "system":
         earlier = earlier[1:] if earlier and earlier[0].get("role") == "system" else earlier
         return [new[0], *earlier, *new[1:]]

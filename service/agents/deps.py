@@ -56,6 +56,8 @@ HTTP_ERRORS: dict[type[AgentError], type[ServiceError]] = {
     EngineUnavailable: EngineFailed,
     UnknownResponse: InvalidRequest,
 }
+# The request field an error is about, named in the error's `errors` (OpenAI's `param`).
+HTTP_ERROR_FIELDS: dict[type[AgentError], list[str | int]] = {UnknownResponse: ["previous_response_id"]}
 
 
 class _HttpErrors:
@@ -68,7 +70,12 @@ class _HttpErrors:
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
         if isinstance(error, AgentError):
-            raise HTTP_ERRORS[type(error)](str(error)) from None
+            failure = HTTP_ERRORS[type(error)]
+            if (location := HTTP_ERROR_FIELDS.get(type(error))) is not None and issubclass(
+                failure, InvalidRequest
+            ):
+                raise failure.field(location, str(error)) from None
+            raise failure(str(error)) from None
 
 
 http_errors = _HttpErrors()

@@ -26,4 +26,4 @@ class EngineUnavailable(AgentError):
 
 
 class UnknownResponse(AgentError):
-    """The call continues an earlier one that is not the episode's latest answer."""
+    """The call continues an earlier one (Responses' previous_response_id) the episode did not make."""

@@ -160,8 +160,9 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     previous_response_id: Text | None = Field(
         default=None,
-        description="The episode's latest response: `input` continues its conversation (earlier ones "
-        "are not continued: send the whole input instead).",
+        description="Any earlier response of this episode: `input` continues its conversation (what "
+        "that call was sent, then its output). Continuing an earlier response than the latest "
+        "branches the conversation: the call starts a new segment of the episode.",
     )
     store: bool | None = Field(default=None, description="Accepted: every call of an episode is recorded.")
     parallel_tool_calls: bool | None = None
@@ -192,9 +193,13 @@ class ResponsesRequest(BaseModel):
 
     def _previous(self, episode_id: str) -> int:
         assert self.previous_response_id is not None
-        number = self.previous_response_id.removeprefix(_response_prefix(episode_id))
-        if number == self.previous_response_id or not number.isdigit():
-            raise InvalidRequest.field(["previous_response_id"], "not a response of this episode")
+        prefix = _response_prefix(episode_id)
+        number = self.previous_response_id.removeprefix(prefix)
+        if number == self.previous_response_id or not (number.isascii() and number.isdigit()):
+            raise InvalidRequest.field(
+                ["previous_response_id"],
+                f"not a response of episode {episode_id!r} (its responses are {prefix}<call>)",
+            )
         return int(number)
 
 
@@ -521,7 +526,8 @@ async def create_response(
 ) -> Response:
     """OpenAI's Responses API for one episode's agent (the OpenAI Agents SDK's default): its input
     becomes token ids, SGLang samples, and the call is recorded exactly, as chat completions' are.
-    `previous_response_id` continues the episode's latest response; built-in tools are refused."""
+    `previous_response_id` continues any earlier response of the episode (one that is not the
+    latest branches the conversation: a new segment); built-in tools are refused."""
     call = body.call(episode.episode_id)
     if body.stream:
         return await streamed(

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import Table, Update, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from service.loop.tokens import EncodedIds
 from service.records import EpisodeStatus, EpisodeTokens
 from service.storage import blobs
 from service.storage.agents import EXTERNAL_OWNER
@@ -33,6 +34,11 @@ class Segment:
     tokens: EpisodeTokens
     turns: list[dict[str, Any]]
     messages: list[dict[str, Any]]
+    # The token blobs as stored last, of the first ids of `tokens` (the segment grew since): a
+    # store encodes only the ids added since. None: encode them all.
+    blobs: dict[str, bytes] | None = None
+    # The engine's input (P + R) as JSON text, as the last call of the segment encoded it.
+    input_json: EncodedIds | None = None
 
 
 @dataclass
@@ -57,19 +63,36 @@ class AgentEpisode:
 
 @dataclass(frozen=True)
 class StoredCall:
-    """An episode as a call stored it (its last segment's columns as written)."""
+    """An episode as a call stored it: its last segment as written (`columns`) and as it was
+    (`segment`, its token lists and the engine input's JSON text, so that the next call neither
+    decodes nor encodes what it did not add)."""
 
-    episode: AgentEpisode  # after that call; its `last` is left out (None): `columns` hold it
+    episode: AgentEpisode  # after that call; its `last` is left out (None): `segment` holds it
     columns: dict[str, Any]
+    segment: Segment
 
     @property
     def size(self) -> int:
-        """Bytes of its token blobs."""
-        return sum(len(self.columns[name]) for name in TOKEN_BLOBS)
+        """Bytes held, about: the token blobs, the token lists (a pointer and an object per item)
+        and the input's JSON text."""
+        blob_bytes = sum(len(self.columns[name]) for name in TOKEN_BLOBS)
+        tokens = self.segment.tokens
+        items = len(tokens.prompt_ids) + 3 * len(tokens.response_ids)
+        encoded = self.segment.input_json
+        return blob_bytes + 40 * items + (0 if encoded is None else len(encoded.text))
 
     def restored(self) -> AgentEpisode:
-        """The episode as stored, assumed still waiting: the next store's fence tells if not."""
-        return replace(self.episode, last=_segment_of(self.columns), held=True)
+        """The episode as stored, assumed still waiting: the next store's fence tells if not. Its
+        last segment's lists are its own; the token lists are shared (a call copies what it grows)."""
+        held = self.segment
+        last = Segment(
+            tokens=held.tokens,
+            turns=list(held.turns),
+            messages=list(held.messages),
+            blobs={name: self.columns[name] for name in TOKEN_BLOBS},
+            input_json=held.input_json,
+        )
+        return replace(self.episode, last=last, held=True)
 
 
 async def agent_tokens(database: Database, episode_ids: list[str]) -> dict[str, str]:
@@ -148,15 +171,30 @@ async def load_agent_episode(database: Database, episode_id: str) -> AgentEpisod
 def _segment_of(columns: dict[str, Any]) -> Segment | None:
     if columns["prompt_ids"] is None or columns["response_ids"] is None:
         return None
+    stored = {name: columns[name] or b"" for name in TOKEN_BLOBS}
     return Segment(
-        tokens=blobs.decode_tokens(*(columns[name] for name in TOKEN_BLOBS)),
+        tokens=blobs.decode_tokens(*stored.values()),
         turns=list(columns["turns"] or []),
         messages=list(columns["messages"] or []),
+        blobs=stored,
     )
 
 
+def _token_blobs(segment: Segment) -> dict[str, bytes]:
+    """The segment's token blobs: those it was read with, and the bytes of the ids added since."""
+    tokens, stored = segment.tokens, segment.blobs
+    count = -1 if stored is None else len(stored["loss_mask"]) // blobs.MASK_BYTES
+    if stored is None or not 0 <= count <= len(tokens.response_ids):
+        return blobs.encode_tokens(tokens)
+    if len(stored["prompt_ids"]) != len(tokens.prompt_ids) * blobs.ID_BYTES:
+        return blobs.encode_tokens(tokens)
+    response, mask, logprobs = tokens.response_ids, tokens.loss_mask, tokens.rollout_logprobs
+    added = blobs.encode_tokens(EpisodeTokens([], response[count:], mask[count:], logprobs[count:]))
+    return {name: stored[name] + added[name] for name in TOKEN_BLOBS}
+
+
 def _segment_columns(segment: Segment) -> dict[str, Any]:
-    return {**blobs.encode_tokens(segment.tokens), "turns": segment.turns, "messages": segment.messages}
+    return {**_token_blobs(segment), "turns": segment.turns, "messages": segment.messages}
 
 
 async def store_call(
@@ -192,7 +230,18 @@ async def store_call(
                 )
             )
     after = replace(episode, calls=episode.calls + 1, last=None, held=False)
-    return StoredCall(after, columns)
+    return StoredCall(after, columns, segment)
+
+
+async def closed_segments(database: Database, episode_id: str) -> list[tuple[list[Any], list[Any]]]:
+    """The turns and messages of the episode's closed segments, latest first (no token blobs)."""
+    async with database.read_only.connect() as connection:
+        rows = await connection.execute(
+            select(EpisodeSegment.turns, EpisodeSegment.messages)
+            .where(EpisodeSegment.episode_id == episode_id)
+            .order_by(EpisodeSegment.segment.desc())
+        )
+        return [(list(row.turns or []), list(row.messages or [])) for row in rows]
 
 
 UNPLAYED = "finished before its first call: an episode the model never played is no sample"

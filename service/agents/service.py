@@ -9,15 +9,17 @@ refuses the call, and it is answered again from the database.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from cachetools import LRUCache
 
-from service.agents.conversation import Answer, ChatCall
-from service.agents.errors import EpisodeClosed, UnknownEpisode
+from service.agents.conversation import Answer, ChatCall, after_previous, answered_through
+from service.agents.errors import EpisodeClosed, UnknownEpisode, UnknownResponse
 from service.agents.repository import (
     AgentEpisode,
     StoredCall,
+    closed_segments,
     finish_agent_episode,
     load_agent_episode,
     store_call,
@@ -115,6 +117,9 @@ class AgentSessions:
         self, episode: AgentEpisode, call: ChatCall, stream: AnswerStream | None
     ) -> tuple[StoredCall | None, Answer]:
         """The stored state is None when the store's fence refused the call."""
+        if call.previous_call is not None:
+            earlier = await self._answered_through(episode, call.previous_call)
+            call = replace(call, messages=after_previous(earlier, call.messages), previous_call=None)
         answered = await (await self._turns()).answer(episode, call, stream)
         stored = await store_call(
             self.database, episode, answered.segment, closed=answered.closed, idle_seconds=self.idle_seconds
@@ -124,6 +129,22 @@ class AgentSessions:
         else:
             self.held.put(episode.episode_id, stored)
         return stored, answered.answer
+
+    async def _answered_through(self, episode: AgentEpisode, call: int) -> list[dict[str, Any]]:
+        """The conversation through the answer to the episode's call `call` (any earlier call: the
+        latest, an earlier one of the last segment, or one of a closed segment, read from the
+        database); raises UnknownResponse when the episode made no such call."""
+        last = episode.last
+        earlier = None if last is None else answered_through(last.turns, last.messages, call)
+        if earlier is None and 0 <= call < episode.calls:
+            for turns, messages in await closed_segments(self.database, episode.episode_id):
+                if (earlier := answered_through(turns, messages, call)) is not None:
+                    break
+        if earlier is None:
+            raise UnknownResponse(
+                f"episode {episode.episode_id!r} has no response {call}: it made {episode.calls} calls"
+            )
+        return earlier
 
     async def finish(
         self,

@@ -20,12 +20,11 @@ from service.agents.conversation import (
     Answer,
     ChatCall,
     ToolCall,
-    after_previous,
     continuation,
     named_tool_results,
     template_message,
 )
-from service.agents.errors import EngineRefused, EngineUnavailable, EpisodeClosed, UnknownResponse
+from service.agents.errors import EngineRefused, EngineUnavailable, EpisodeClosed
 from service.agents.repository import AgentEpisode, Segment
 from service.agents.streaming import GONE, AnswerStream, TextDeltas
 from service.engine.client import EngineError, EngineRequestError, Generation, OnTokens
@@ -154,19 +153,13 @@ class AgentTurns:
         self, episode: AgentEpisode, call: ChatCall, stream: AnswerStream | None = None
     ) -> AnsweredCall:
         """Samples the answer to `call` and records it in the episode's segment (`episode` is this
-        call's own copy); raises EpisodeClosed, EngineRefused or EngineUnavailable. With `stream`,
+        call's own copy, `call` its whole conversation); raises EpisodeClosed, EngineRefused or
+        EngineUnavailable. With `stream`,
         the sampled text goes there as the engine samples it; if its agent leaves meanwhile, the
         generation is aborted and what it sampled is the call's answer."""
         if episode.calls >= episode.max_turns:
             raise EpisodeClosed(f"the episode made its max_turns ({episode.max_turns}) calls")
-        if call.previous_call is not None:
-            messages = after_previous(episode.last, call)
-            if messages is None:
-                raise UnknownResponse(
-                    f"call {call.previous_call} is not the episode's latest answer: only that one is "
-                    "continued; send the whole conversation instead"
-                )
-            call = replace(call, messages=messages, previous_call=None)
+        assert call.previous_call is None, "resolved by AgentSessions: the conversation is whole here"
         call = replace(call, messages=named_tool_results(call.messages))
         segment, closed, context = self._segment_for(episode, call)
         tokens = segment.tokens
@@ -176,6 +169,7 @@ class AgentTurns:
             loss_mask=list(tokens.loss_mask),
             rollout_logprobs=list(tokens.rollout_logprobs),
         )
+        trajectory.continue_encoding(segment.input_json)  # the segment's ids so far: not encoded again
         trajectory.add_context(context)
         prompt_tokens = len(trajectory.prompt_ids) + len(trajectory.response_ids)
         params = _sampling(episode, call, len(trajectory.response_ids))
@@ -207,6 +201,7 @@ class AgentTurns:
         records[-1].action = actions[0] if actions else None
         records[-1].actions = actions if len(actions) > 1 else None
         segment.tokens = trajectory.tokens()
+        segment.input_json = trajectory.encoded()
         segment.turns += [record.to_json() for record in records]
         segment.messages.append(answer.message | {"sampled": answer.sampled})  # loop/transcript.py's shape
         return AnsweredCall(answer, segment, closed)

@@ -98,15 +98,19 @@ async def batch_summary_json(
     rows: BatchRows, summaries: GroupSummaries, waiting_for_engine: str | None = None
 ) -> bytes:
     """The batch as JSON (BatchOut) with its complete groups' summaries: those of earlier polls from
-    `summaries`, the others read from `rows` and added to it."""
+    `summaries`, the others read from `rows` and added to it while the batch has groups to come."""
     head, tail = batch_json_head(rows.head, waiting_for_engine)
     batch_id, complete = rows.head.batch_id, rows.head.complete_groups
+    whole = rows.head.groups_complete == rows.head.groups_total
     groups = summaries.of(batch_id)
     missing = [group for group in complete if group not in groups]
     async for chunk in rows.summaries(missing):
         encoded = await asyncio.to_thread(group_summaries_json, chunk)
-        summaries.add(batch_id, encoded)
+        if not whole:
+            summaries.add(batch_id, encoded)
         groups.update(encoded)
+    if whole:
+        summaries.forget(batch_id)
     return head + b",".join(groups[group] for group in complete) + tail
 
 

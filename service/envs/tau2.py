@@ -52,7 +52,7 @@ def _tau2() -> Any:
     except ImportError as exc:
         raise ImportError(
             "tau2-bench environments need the tau2 package (tau2-bench's, not PyPI's `tau2`): see the "
-            "README's Environments section"
+            "docs/envs/catalogues.md (tau2)"
         ) from exc
     return type(
         "Tau2",

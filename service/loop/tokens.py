@@ -57,6 +57,14 @@ class _FastTokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+@dataclass(frozen=True)
+class EncodedIds:
+    """The first `count` ids of a trajectory's P + R as JSON number text (without brackets)."""
+
+    text: str
+    count: int
+
+
 @dataclass
 class Trajectory:
     """The token arrays of one episode (see EpisodeTokens) as they grow; `tokens()` once done."""
@@ -67,7 +75,7 @@ class Trajectory:
     rollout_logprobs: list[float] = field(default_factory=list)
     # P + R as JSON number text, extended as R grows: encoding the whole conversation on every
     # turn would cost quadratic time over an episode (half our per-turn CPU at 30 turns).
-    _encoded: list[str] = field(default_factory=list, repr=False)
+    _encoded: str = field(default="", repr=False)
     _encoded_count: int = field(default=0, repr=False)
 
     def tokens(self) -> EpisodeTokens:
@@ -83,13 +91,22 @@ class Trajectory:
     def input_ids_json(self) -> str:
         """`json.dumps(self.input_ids())`, computed from the new ids only."""
         if not self._encoded_count and self.prompt_ids:
-            self._encoded.append(",".join(map(str, self.prompt_ids)))
+            self._encoded = ",".join(map(str, self.prompt_ids))
             self._encoded_count = len(self.prompt_ids)
         new = self.response_ids[self._encoded_count - len(self.prompt_ids) :]
         if new:
-            self._encoded.append(",".join(map(str, new)))
+            self._encoded = f"{self._encoded},{','.join(map(str, new))}"
             self._encoded_count += len(new)
-        return f"[{','.join(self._encoded)}]"
+        return f"[{self._encoded}]"
+
+    def encoded(self) -> EncodedIds:
+        """What input_ids_json encoded so far, for a trajectory that continues this one."""
+        return EncodedIds(self._encoded, self._encoded_count)
+
+    def continue_encoding(self, encoded: EncodedIds | None) -> None:
+        """Takes up what another trajectory with the same first ids encoded (`encoded()`)."""
+        if encoded is not None and encoded.count <= len(self.prompt_ids) + len(self.response_ids):
+            self._encoded, self._encoded_count = encoded.text, encoded.count
 
     def add_sampled(self, ids: list[int], logprobs: list[float]) -> None:
         if len(ids) != len(logprobs):

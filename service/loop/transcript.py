@@ -1,4 +1,4 @@
-"""The one shape of a stored transcript (an episode's `messages`, README: "messages_json"), whichever
+"""The one shape of a stored transcript (an episode's `messages`; docs/trainers/arrow-schema.md), whichever
 path played it (the service's loop, an external agent in any protocol): chat messages as chat
 templates take them, an assistant's tool calls parsed, the text the model sampled kept beside them."""
 

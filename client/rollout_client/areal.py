@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 
 from rollout_client.batch import EpisodeArrays
 from rollout_client.siblings import GroupAsk, LoopWaiter, StepCalls
@@ -95,13 +96,29 @@ def sampling_params(gconfig: Any) -> dict[str, Any]:
     return params
 
 
+def _integer_version(version: str | None) -> int:
+    return int(version) if version is not None and version.lstrip("-").isdigit() else UNVERSIONED
+
+
 def token_versions(episode: EpisodeArrays, kept: int) -> npt.NDArray[np.int32]:
     """Per response token, the integer weight version that sampled it (-1: not sampled, or a
-    version that is not an integer)."""
+    version that is not an integer). From the Arrow stream, one int() per distinct version of the
+    episode and one numpy take for its tokens (a Python object per token cost more than the pull)."""
     versions = np.full(kept, UNVERSIONED, dtype=np.int32)
+    column = episode.token_versions
+    if isinstance(column, pa.ListScalar):
+        if not column.is_valid or kept == 0:
+            return versions
+        values = column.values.slice(0, kept)
+        if not isinstance(values, pa.DictionaryArray):
+            values = values.dictionary_encode()
+        names = values.dictionary.to_pylist()
+        lookup = np.array([*map(_integer_version, names), UNVERSIONED], dtype=np.int32)
+        codes = values.indices.fill_null(len(names)).to_numpy(zero_copy_only=False)
+        versions[: len(codes)] = lookup[codes]
+        return versions
     for position, version in enumerate(episode.token_weight_versions[:kept]):
-        if version is not None and version.lstrip("-").isdigit():
-            versions[position] = int(version)
+        versions[position] = _integer_version(version)
     return versions
 
 

@@ -29,6 +29,7 @@ from openrlhf.trainer.ppo_utils.samples_generator import SamplingParams
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 from rollout_client import areal as areal_adapter
 from rollout_client.steps import ServiceConfig
+
 from tests.test_areal_adapter import NumpyWorkflow, assert_rows_are_the_episodes
 from tests.test_openrlhf_adapter import AGENT_FILE
 
@@ -173,9 +174,14 @@ async def test_a_batch_cancelled_in_the_service_is_no_sample_with_reward_0(
         openrlhf = asyncio.ensure_future(
             actor.generate_responses("3", "3", params, 16384, tokenizer, num_samples=3)
         )
-        areal = asyncio.ensure_future(
-            asyncio.gather(*[flow.arun_episode(RemoteInfEngine(), {"task_index": 3}) for _ in range(3)])
-        )
+
+        async def areal_calls() -> list[Any]:
+            engine = RemoteInfEngine()
+            return list(
+                await asyncio.gather(*[flow.arun_episode(engine, {"task_index": 3}) for _ in range(3)])
+            )
+
+        areal = asyncio.create_task(areal_calls())
         await episodes_running(db)
         await wait_for(lambda: _batches_at_least(db, 2), 10, "both batches submitted")
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
@@ -199,7 +205,8 @@ async def _batches_at_least(db: Database, count: int) -> bool:
 def test_the_window_is_configurable_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     environ = {"ROLLOUT_SERVICE_URL": "http://x", "ROLLOUT_ENV": "builtin/shop"}
     assert ServiceConfig.from_env(environ, adapter="areal").coalesce_seconds == 0.02
-    assert ServiceConfig.from_env({**environ, "ROLLOUT_COALESCE_SECONDS": "0"}, adapter="a").coalesce_seconds == 0
+    zero = ServiceConfig.from_env({**environ, "ROLLOUT_COALESCE_SECONDS": "0"}, adapter="areal")
+    assert zero.coalesce_seconds == 0
     for bad in ("soon", "-1", "nan", "inf"):
         with pytest.raises(ValueError, match="ROLLOUT_COALESCE_SECONDS must be seconds >= 0"):
             ServiceConfig.from_env({**environ, "ROLLOUT_COALESCE_SECONDS": bad}, adapter="areal")

@@ -182,7 +182,8 @@ class ServiceExecutor:
     def step_batch(self, key: Hashable, asks: Sequence[GroupAsk[Any]], samples: int) -> StepBatch:
         """The batch of the groups that came together: OpenRLHF tells an executor no step, so its id
         is the run's, the groups' prompts' and their occurrence in this process."""
-        content = digest([[ask.label for ask in asks], samples, key])
+        parts: list[object] = [[ask.label for ask in asks], samples, key]
+        content = digest(parts)
         occurrence = self._occurrences.get(content, 0)
         self._occurrences[content] = occurrence + 1
         return StepBatch(

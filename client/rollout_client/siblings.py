@@ -268,15 +268,15 @@ class GroupWaiter:
                     self._waiting.clear()
                     continue
                 for (batch, group), episodes in page.groups().items():
-                    watch = self._waiting.get(batch)
-                    if watch is None or group not in watch.remaining:
+                    watching = self._waiting.get(batch)
+                    if watching is None or group not in watching.remaining:
                         continue
-                    watch.remaining.discard(group)
-                    watch.deliver(group, episodes)
-                    if not watch.remaining:
+                    watching.remaining.discard(group)
+                    watching.deliver(group, episodes)
+                    if not watching.remaining:
                         del self._waiting[batch]
-                        if not watch.done.done():
-                            watch.done.set_result(None)
+                        if not watching.done.done():
+                            watching.done.set_result(None)
                 if not self._added.is_set():
                     self._cursor = page.next
             # No await since `self._waiting` was found empty: a batch added from here on starts a

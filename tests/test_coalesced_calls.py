@@ -28,6 +28,7 @@ from areal.infra.remote_inf_engine import RemoteInfEngine
 from openrlhf.trainer.ppo_utils.samples_generator import SamplingParams
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
 from rollout_client import areal as areal_adapter
+from rollout_client.errors import RequestError
 from rollout_client.steps import ServiceConfig
 
 from tests.test_areal_adapter import NumpyWorkflow, assert_rows_are_the_episodes
@@ -214,3 +215,13 @@ def test_the_window_is_configurable_and_checked(monkeypatch: pytest.MonkeyPatch)
         areal_adapter.ServiceWorkflow(
             coalesce_seconds=-0.1, service=ServiceConfig.from_env(environ, adapter="areal")
         )
+
+
+async def test_a_refused_batch_fails_each_of_its_calls(service: tuple[str, SimWorker], db: Database) -> None:
+    flow, engine = workflow(0.02), RemoteInfEngine()
+    data = {"task_index": 10**6}  # past builtin/shop's test split
+    calls = [flow.arun_episode(engine, data) for _ in range(3)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(r, RequestError) and r.status_code == 422 for r in results), results
+    assert "task_indices" in str(results[0])
+    assert await stored_batches(db) == {}

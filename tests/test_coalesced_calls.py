@@ -118,21 +118,28 @@ async def test_a_cancelled_call_gives_up_only_its_row(service: tuple[str, SimWor
         if row is not None:
             assert_rows_are_the_episodes(row, [episode], 0)
     assert flow.counts.abandoned == 5 and flow.counts.metrics()["rollout_service/abandoned"] == 5
-    assert sum(flow.counts.statuses.values()) == 8  # every episode counted by its status
+
+    async def all_counted() -> bool:  # the abandoned group too, once its episodes end
+        return sum(flow.counts.statuses.values()) == 8
+
+    await wait_for(all_counted, 10, "every episode counted by its status")
 
 
 async def test_calls_all_cancelled_in_their_window_submit_nothing(
     service: tuple[str, SimWorker], db: Database
 ) -> None:
-    flow, engine = workflow(0.5), RemoteInfEngine()
+    flow, engine = workflow(3.0), RemoteInfEngine()
     calls = [asyncio.ensure_future(flow.arun_episode(engine, {"task_index": 1})) for _ in range(3)]
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # the calls join the window
     for call in calls:
         call.cancel()
     await asyncio.gather(*calls, return_exceptions=True)
-    await asyncio.sleep(0.7)  # past the window
+    assert flow._calls._open is None  # the window is gone, its timer with it: nothing can submit
+    await asyncio.sleep(0.3)
     assert await stored_batches(db) == {} and flow._calls.batches_submitted == 0
+    assert flow.counts.abandoned == 3
     # The next calls open a window of their own.
+    flow._calls.window = 0.02
     rows = await asyncio.gather(*[flow.arun_episode(engine, {"task_index": 1}) for _ in range(2)])
     (episodes,) = (await stored_batches(db)).values()
     assert len(episodes) == 2 and len(rows) == 2

@@ -207,7 +207,8 @@ class GroupWaiter:
     """Every group an adapter's process waits on, from one GET /groups long-poll (the filter names
     all their batches): a long-poll per batch would hold that many of the service's requests (and
     database reads). A new batch interrupts the poll in flight, which did not name it; the cursor
-    moves only past a page read while no batch was added, so that no group is skipped."""
+    moves only past a page read while no batch was added, and goes back to where it was when the
+    batch's POST began, so that no group is skipped."""
 
     def __init__(self, url: str, api_key: str | None) -> None:
         self.url, self.api_key = url, api_key
@@ -223,12 +224,16 @@ class GroupWaiter:
         """Submits `step` (idempotent under its id) and hands each of its groups, once complete, to
         `deliver(group_index, episodes)`; returns when every group was handed. If cancelled, the
         batch is cancelled in the service."""
+        # Pages read while the POST was in flight (retried, or slow) named other batches only: their
+        # `next` may have passed this batch's groups, if they ended by then. Read again from here.
+        cursor = self._cursor
         submitting = asyncio.ensure_future(client.submit(step.env, step.tasks, **step.submit_fields()))
         watch: _Watch | None = None
         try:
             await asyncio.shield(submitting)
             watch = _Watch(step, deliver, set(range(len(step.tasks))), self.loop.create_future())
             self._waiting[step.batch_id] = watch
+            self._cursor = min(self._cursor, cursor)
             self._added.set()
             if self._polling is None or self._polling.done():
                 self._polling = asyncio.create_task(self._poll())

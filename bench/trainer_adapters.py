@@ -10,7 +10,8 @@ generate_responses). Each way runs the same step shape, in turn:
 - `bare_client` (the baseline): RolloutClient.submit, then GET /groups until every group came,
   the episodes decoded (EpisodeArrays) and nothing more;
 - `slime`, `verl`, `trl`, `skyrl`, `areal`, `openrlhf`: the adapter's step, returning the trainer's
-  own types (AReaL and OpenRLHF ask per prompt: one service batch per group, not per step).
+  own types (AReaL and OpenRLHF ask one sample per call: the step's calls, arriving within
+  ROLLOUT_COALESCE_SECONDS of each other, are one service batch).
 
 Two figures per way. `cold`: a fresh step (its episodes run in the service), seconds, median over
 `--steps`. `warm`: the same step asked again (its batch id is the step's, so the complete batch is

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent / "areal_standin"))
 from areal.api.cli_args import GenerationHyperparameters
 from areal.infra.remote_inf_engine import RemoteInfEngine
 from rollout_client import areal as adapter
+from rollout_client.steps import digest
 
 pytest_plugins = ("tests.support.trainer_fixtures",)
 PINNED_AREAL = "4aef98d8d818af55b43621aaadba047ae10f4e77"
@@ -98,38 +99,41 @@ async def test_an_areal_rollout_gets_exactly_the_stored_groups(
     trajectories = await asyncio.to_thread(rollout, engine, data, 4)
 
     batches = await stored_by_batch(db, url)
-    ids = [
-        f"areal-test-v7-{task}-{occurrence}-n4"
-        for task, occurrence in zip(tasks, [0, 0, 1, 0, 0], strict=True)
-    ]
-    assert set(batches) == set(ids)  # one service group per prompt, its id from the version
+    # The step's calls are one service batch, its id from the run, the version and the groups' tasks.
+    step_id = f"areal-test-v7-n4-{digest([tasks, 4])}-0"
+    assert set(batches) == {step_id}
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for episode in batches[step_id]:
+        groups.setdefault(episode["group_index"], []).append(episode)
+    assert sorted(groups) == [0, 1, 2, 3, 4]
     kept = [
-        batch_id
-        for batch_id in ids
-        if any(e["status"] in ("completed", "truncated") for e in batches[batch_id])
+        group
+        for group in sorted(groups)
+        if any(e["status"] in ("completed", "truncated") for e in groups[group])
     ]
     assert len(trajectories) == len(kept)  # a group with no trained episode is rejected whole
-    for trajectory, batch_id in zip(trajectories, kept, strict=True):
-        episodes = batches[batch_id]
-        assert {e["task_index"] for e in episodes} == {int(batch_id.split("-")[3])}
-        assert len({e["group_index"] for e in episodes}) == 1 and len(episodes) == 4
+    for trajectory, group in zip(trajectories, kept, strict=True):
+        episodes = groups[group]
+        assert {e["task_index"] for e in episodes} == {tasks[group]}  # the prompts' order
+        assert [e["sample_index"] for e in episodes] == [0, 1, 2, 3]
         assert_rows_are_the_episodes(trajectory, episodes, 7)
         assert 7 in trajectory["versions"]
     statuses = [e["status"] for episodes in batches.values() for e in episodes]
     untrained = [s for s in statuses if s not in ("completed", "truncated")]
     assert untrained, "the simulated worker's mistakes should abort some episodes"
     assert sum(len(t["input_ids"]) for t in trajectories) == len(statuses) - len(untrained)
-    episode = batches[ids[0]][0]
+    episode = batches[step_id][0]
     assert (
         episode["sampling_params"]["temperature"] == 0.9
         and episode["sampling_params"]["max_new_tokens"] == 1024
     )
 
-    # The same version again (a restarted trainer with its run id): the same batches, no new episodes.
+    # The same version again (a restarted trainer with its run id): the same batch, no new episodes.
     again = await asyncio.to_thread(rollout, engine, data, 4)
     assert [t["input_ids"].tolist() for t in again] == [t["input_ids"].tolist() for t in trajectories]
     async with db.sessionmaker() as session:
-        assert set(await session.scalars(select(Batch.id))) == set(ids)
+        assert set(await session.scalars(select(Batch.id))) == {step_id}
+        assert len(list(await session.scalars(select(Episode.id)))) == 20
 
 
 async def test_an_areal_response_over_the_cap_is_cut_and_a_lone_sample_is_its_own_group(
@@ -140,8 +144,9 @@ async def test_an_areal_response_over_the_cap_is_cut_and_a_lone_sample_is_its_ow
     data = [{"messages": [{"role": "user", "content": str(task)}]} for task in (2, 5, 8, 11)]
     trajectories = await asyncio.to_thread(rollout, engine, data, 1, max_response_tokens=120)
     batches = await stored_by_batch(db, url)
-    assert len(batches) == 4 and all(len(episodes) == 1 for episodes in batches.values())
-    by_task = {episodes[0]["task_index"]: episodes for episodes in batches.values()}
+    (episodes,) = batches.values()  # one batch of four groups of one
+    assert len(episodes) == 4 and {e["group_index"] for e in episodes} == {0, 1, 2, 3}
+    by_task = {episode["task_index"]: [episode] for episode in episodes}
     trained = [t for t in (2, 5, 8, 11) if by_task[t][0]["status"] in ("completed", "truncated")]
     assert len(trajectories) == len(trained)
     for trajectory, task in zip(trajectories, trained, strict=True):

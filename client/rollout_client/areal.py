@@ -13,15 +13,21 @@ areal/workflow/multi_turn.py makes them: `input_ids` (prompt + response), `loss_
 (0 on the prompt), `versions` (the weight version that sampled each token, -1 elsewhere),
 `attention_mask`, and `rewards` [1].
 
-The `n_samples` calls of one prompt start in one turn of the event loop: they become one service
-group (rollout_client.siblings), and each call takes its row. A row's task is `data["task_index"]`
-(a dataset column), else the last message of `data["messages"]` as an integer. Sampling comes from
-`gconfig` (AReaL's GenerationHyperparameters: temperature, top_p, top_k, max_new_tokens, stop).
-Configured by environment variables, as rollout_client.slime: ROLLOUT_SERVICE_URL, ROLLOUT_ENV,
-and optionally ROLLOUT_API_KEY, ROLLOUT_TASK_SPLIT, ROLLOUT_MAX_TURNS, ROLLOUT_RUN_ID. A group's
-batch id is the run's, the engine's weight version (AReaL sets it each step), the task and its
-occurrence at that version; without ROLLOUT_RUN_ID the run id is new per process (AReaL tells a
-workflow no run name), so only a run with ROLLOUT_RUN_ID gets a step's episodes back on restart.
+The `n_samples` calls of one prompt start in one turn of the event loop with the same data: they
+become one service group, and each call takes its row. The calls that arrive within
+`coalesce_seconds` (a workflow kwarg, else ROLLOUT_COALESCE_SECONDS, default 0.02) of the first are
+one service batch (rollout_client.siblings: rollout_batch starts a step's prompts at once), its
+groups taken as they complete from one GET /groups long-poll. A cancelled call gives up its row
+only (counted as `abandoned`); when all of a batch's calls are cancelled, the batch is cancelled
+in the service. A row's task is `data["task_index"]` (a dataset column), else the last message of
+`data["messages"]` as an integer. Sampling comes from `gconfig` (AReaL's GenerationHyperparameters:
+temperature, top_p, top_k, max_new_tokens, stop). Configured by environment variables, as
+rollout_client.slime: ROLLOUT_SERVICE_URL, ROLLOUT_ENV, and optionally ROLLOUT_API_KEY,
+ROLLOUT_TASK_SPLIT, ROLLOUT_MAX_TURNS, ROLLOUT_RUN_ID, ROLLOUT_COALESCE_SECONDS. A batch id is the
+run's, the engine's weight version (AReaL sets it each step), the group size, a hash of the groups'
+tasks and its occurrence at that version; without ROLLOUT_RUN_ID the run id is new per process
+(AReaL tells a workflow no run name), so only a run with ROLLOUT_RUN_ID gets a step's episodes back
+on restart.
 
 AReaL can leave a row out: a failed, aborted or cancelled episode is None (rejected), never a
 sample with reward 0; a group with none left is rejected whole. A response longer than
@@ -36,26 +42,29 @@ without them.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 
 from rollout_client.batch import EpisodeArrays
-from rollout_client.client import AsyncRolloutClient
-from rollout_client.siblings import LoopWaiter, SiblingCalls
+from rollout_client.siblings import GroupAsk, LoopWaiter, StepCalls
 from rollout_client.steps import (
     TRAINABLE_STATUSES,
     ServiceConfig,
     StepBatch,
     StepCounts,
+    batch_id,
+    digest,
     response_for_trainer,
     trainer_class,
 )
 
 AREAL_COMMIT = "4aef98d8d818af55b43621aaadba047ae10f4e77"
 UNVERSIONED = -1  # AReaL's version of a token no policy sampled (prompt, tool results)
+Trajectory = dict[str, npt.NDArray[Any]]
 
 
 def task_of_data(data: Mapping[str, Any]) -> int:
@@ -87,19 +96,33 @@ def sampling_params(gconfig: Any) -> dict[str, Any]:
     return params
 
 
+def _integer_version(version: str | None) -> int:
+    return int(version) if version is not None and version.lstrip("-").isdigit() else UNVERSIONED
+
+
 def token_versions(episode: EpisodeArrays, kept: int) -> npt.NDArray[np.int32]:
     """Per response token, the integer weight version that sampled it (-1: not sampled, or a
-    version that is not an integer)."""
+    version that is not an integer). From the Arrow stream, one int() per distinct version of the
+    episode and one numpy take for its tokens (a Python object per token cost more than the pull)."""
     versions = np.full(kept, UNVERSIONED, dtype=np.int32)
+    column = episode.token_versions
+    if isinstance(column, pa.ListScalar):
+        if not column.is_valid or kept == 0:
+            return versions
+        values = column.values.slice(0, kept)
+        if not isinstance(values, pa.DictionaryArray):
+            values = values.dictionary_encode()
+        names = values.dictionary.to_pylist()
+        lookup = np.array([*map(_integer_version, names), UNVERSIONED], dtype=np.int32)
+        codes = values.indices.fill_null(len(names)).to_numpy(zero_copy_only=False)
+        versions[: len(codes)] = lookup[codes]
+        return versions
     for position, version in enumerate(episode.token_weight_versions[:kept]):
-        if version is not None and version.lstrip("-").isdigit():
-            versions[position] = int(version)
+        versions[position] = _integer_version(version)
     return versions
 
 
-def trajectory(
-    episode: EpisodeArrays, cap: int | None, counts: StepCounts
-) -> dict[str, npt.NDArray[Any]] | None:
+def trajectory(episode: EpisodeArrays, cap: int | None, counts: StepCounts) -> Trajectory | None:
     """AReaL's trajectory of one episode, [1, seqlen] arrays (None: not trained on, rejected)."""
     if episode.status not in TRAINABLE_STATUSES:
         counts.dropped += 1
@@ -138,6 +161,7 @@ class ServiceWorkflow:
         self,
         gconfig: Any = None,
         max_response_tokens: int | None = None,
+        coalesce_seconds: float | None = None,
         *,
         service: ServiceConfig | None = None,
     ) -> None:
@@ -146,38 +170,44 @@ class ServiceWorkflow:
         self.service = service or ServiceConfig.from_env(adapter="areal")
         self.run_id = self.service.run_id or "areal-" + uuid.uuid4().hex[:12]
         self.counts = StepCounts()
-        self._waiter = LoopWaiter(self.service.url, self.service.api_key)
-        self._siblings: SiblingCalls[dict[str, npt.NDArray[Any]] | None] = SiblingCalls()
-        self._occurrences: dict[tuple[int, int], int] = {}
+        window = self.service.coalesce_seconds if coalesce_seconds is None else coalesce_seconds
+        self._calls: StepCalls[Trajectory | None] = StepCalls(
+            LoopWaiter(self.service.url, self.service.api_key), self.step_batch, self.counts, window
+        )
+        self._occurrences: dict[tuple[int, str], int] = {}
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any] | None:
-        # No await before this: the prompt's sibling calls must find this one still gathering.
-        row = await self._siblings.row(id(data), lambda size: self.run_group(engine, data, size))
+        task = task_of_data(data)
+        # GroupedRolloutWorkflow hands a prompt's calls the same data object: they are its group.
+        ask = GroupAsk(id(data), int(engine.get_version()), task, task, self.rows)
+        row = await self._calls.row(ask)
         if row is None:
             return None
         return {name: self.tensor(array) for name, array in row.items()}
 
-    async def run_group(
-        self, engine: Any, data: Mapping[str, Any], samples: int
-    ) -> list[dict[str, npt.NDArray[Any]] | None]:
-        task = task_of_data(data)
-        version = int(engine.get_version())
-        occurrence = self._occurrences.get((version, task), 0)
-        self._occurrences[version, task] = occurrence + 1
-        async with AsyncRolloutClient(self.service.url, self.service.api_key) as client:
-            step = StepBatch(
-                batch_id=await client.batch_id(self.run_id, f"v{version}", task, occurrence, f"n{samples}"),
-                env=self.service.env,
-                tasks=[task],
-                samples=samples,
-                task_split=self.service.task_split,
-                sampling_params=sampling_params(self.gconfig),
-                max_turns=self.service.max_turns,
-                max_response_tokens=self.max_response_tokens,
-                metadata={"areal_version": version},
-            )
-            episodes = await self._waiter().group(client, step, self.counts)
-        return [trajectory(episode, self.max_response_tokens, self.counts) for episode in episodes]
+    def rows(self, episodes: list[EpisodeArrays], wanted: list[int]) -> list[Trajectory | None]:
+        return [trajectory(episodes[index], self.max_response_tokens, self.counts) for index in wanted]
+
+    def step_batch(self, key: Hashable, asks: Sequence[GroupAsk[Any]], samples: int) -> StepBatch:
+        """The batch of the groups that came together at this weight version: its id is the run's,
+        the version's, the groups' tasks' and their occurrence at that version (so the same rollout
+        at the same version, asked again with the run's id, is the same batch)."""
+        version = int(str(key))  # the batch key is the weight version
+        tasks = [ask.task for ask in asks]
+        content = digest([tasks, samples])
+        occurrence = self._occurrences.get((version, content), 0)
+        self._occurrences[version, content] = occurrence + 1
+        return StepBatch(
+            batch_id=batch_id(self.run_id, f"v{version}", f"n{samples}", content, occurrence),
+            env=self.service.env,
+            tasks=tasks,
+            samples=samples,
+            task_split=self.service.task_split,
+            sampling_params=sampling_params(self.gconfig),
+            max_turns=self.service.max_turns,
+            max_response_tokens=self.max_response_tokens,
+            metadata={"areal_version": version},
+        )
 
 
 # `rollout_client.areal.RolloutServiceWorkflow`: built on first use (it needs the trainer).

@@ -7,9 +7,11 @@ httpx.AsyncClient and asyncio.sleep: a method is one line in each.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 import httpx
@@ -41,6 +43,14 @@ class Options(TypedDict, total=False):
 
 
 _SCOPES: dict[tuple[str, str | None], Access] = {}  # (service URL, key) -> what the key opens
+
+
+@cache
+def _ssl_context() -> ssl.SSLContext:
+    """httpx's default context (certifi's CAs, SSL_CERT_FILE/SSL_CERT_DIR as the process started),
+    built once: loading the CAs takes tens of milliseconds, and a trainer adapter opens a client
+    per step."""
+    return httpx.create_ssl_context()
 
 
 @dataclass
@@ -75,7 +85,7 @@ class _Api:
     def http_options(self) -> dict[str, Any]:
         # Long-polls hold a connection each: no pool limit makes concurrent waits queue behind them.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        return {"timeout": self.timeout, "limits": limits}
+        return {"timeout": self.timeout, "limits": limits, "verify": _ssl_context()}
 
     def request_options(self, call: Call) -> dict[str, Any]:
         # The URL and the key go with each request, not into the httpx client: one passed in as

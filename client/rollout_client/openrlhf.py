@@ -14,39 +14,45 @@ _process_response_into_experience): `observation_tokens` (prompt + response), `a
 `reward`, `scores`, `truncated`, `extra_logs` (scalars, logged per sample), cut at `max_len`.
 
 A prompt's calls start in one turn of the event loop, with one SamplingParams object: they become
-one service group (rollout_client.siblings), each call taking its row. The task is the dataset's label
+one service group, each call taking its row; the calls that arrive within ROLLOUT_COALESCE_SECONDS
+(default 0.02) of the first are one service batch (rollout_client.siblings: a step's prompts, as
+the trainer dispatches them at once), its groups taken as they complete from one GET /groups
+long-poll. A cancelled call gives up its row only; when all of a batch's calls are cancelled, the
+batch is cancelled in the service. The task is the dataset's label
 (`--data.label_key` naming a task-index column), else the prompt text as an integer. Sampling
 params are vLLM's (temperature, top_p, top_k, max_tokens). Configured by environment variables, as
 rollout_client.slime: ROLLOUT_SERVICE_URL, ROLLOUT_ENV, and optionally ROLLOUT_API_KEY,
-ROLLOUT_TASK_SPLIT, ROLLOUT_MAX_TURNS, ROLLOUT_RUN_ID. OpenRLHF tells an executor no step: a
-group's batch id is the run's, the prompt's hash and its occurrence in this process, and without
-ROLLOUT_RUN_ID the run id is new per process (so a restart never takes an earlier step's episodes).
+ROLLOUT_TASK_SPLIT, ROLLOUT_MAX_TURNS, ROLLOUT_RUN_ID, ROLLOUT_COALESCE_SECONDS. OpenRLHF tells an
+executor no step: a batch id is the run's, a hash of its groups' prompts and labels, and its
+occurrence in this process, and without ROLLOUT_RUN_ID the run id is new per process (so a restart
+never takes an earlier step's episodes).
 
 OpenRLHF takes every result as a sample: a failed, aborted or cancelled episode keeps its row with
 no action range (no loss) and, as reward and score, the mean of its group's trained rewards (so it
 does not move the group's baseline); `extra_logs` flags it (`rollout_service_masked`). A response
 longer than `max_length` minus its prompt is cut with its logprobs (`rollout_service_cut`,
-`truncated`). The counts so far are in `executor.counts`.
+`truncated`). The counts so far are in `executor.counts` (`abandoned`: rows of cancelled calls).
 
 OpenRLHF is imported when AgentExecutor is first used: this module imports without it.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
 from rollout_client.batch import EpisodeArrays
-from rollout_client.client import AsyncRolloutClient
-from rollout_client.siblings import LoopWaiter, SiblingCalls
+from rollout_client.siblings import GroupAsk, LoopWaiter, StepCalls
 from rollout_client.steps import (
     TRAINABLE_STATUSES,
     ServiceConfig,
     StepBatch,
     StepCounts,
+    batch_id,
     digest,
     response_for_trainer,
     rewards_for_grpo,
@@ -127,8 +133,12 @@ class ServiceExecutor:
         self.service = service or ServiceConfig.from_env(adapter="openrlhf")
         self.run_id = self.service.run_id or "openrlhf-" + uuid.uuid4().hex[:12]
         self.counts = StepCounts()
-        self._waiter = LoopWaiter(self.service.url, self.service.api_key)
-        self._siblings: SiblingCalls[dict[str, Any]] = SiblingCalls()
+        self._calls: StepCalls[dict[str, Any]] = StepCalls(
+            LoopWaiter(self.service.url, self.service.api_key),
+            self.step_batch,
+            self.counts,
+            self.service.coalesce_seconds,
+        )
         self._occurrences: dict[str, int] = {}
 
     async def execute(
@@ -143,39 +153,49 @@ class ServiceExecutor:
     ) -> dict[str, Any]:
         if images:
             raise ValueError("rollout_client.openrlhf: the service's environments take no images")
+        task = task_of(prompt, label)
+        with_logprobs = getattr(sampling_params, "logprobs", None) is not None
+        pad = hf_tokenizer.pad_token_id
+        pad = hf_tokenizer.eos_token_id if pad is None else pad
+
+        def rows(episodes: list[EpisodeArrays], wanted: list[int]) -> list[dict[str, Any]]:
+            rewards = rewards_for_grpo(episodes)
+            return [
+                response(
+                    episodes[index], rewards[index], prompt, label, max_length, with_logprobs, int(pad),
+                    self.counts,
+                )
+                for index in wanted
+            ]  # fmt: skip
+
         # One generate_responses call hands its samples the same SamplingParams object (Ray gives each
         # call its own copy): the same prompt dispatched twice at once is two groups.
-        key: Hashable = (id(sampling_params), str(prompt), str(label))
-        # No await before this: the prompt's sibling calls must find this one still gathering.
-        return await self._siblings.row(
-            key, lambda size: self.run_group(prompt, label, sampling_params, max_length, hf_tokenizer, size)
+        ask = GroupAsk(
+            call_key=(id(sampling_params), str(prompt), str(label)),
+            batch_key=json.dumps(sglang_sampling_params(sampling_params), sort_keys=True, default=str),
+            task=task,
+            label=[prompt, label],
+            convert=rows,
         )
+        return await self._calls.row(ask)
 
-    async def run_group(
-        self, prompt: Any, label: Any, sampling_params: Any, max_length: int, tokenizer: Any, samples: int
-    ) -> list[dict[str, Any]]:
-        task = task_of(prompt, label)
-        key = digest([prompt, label])
-        occurrence = self._occurrences.get(key, 0)
-        self._occurrences[key] = occurrence + 1
-        async with AsyncRolloutClient(self.service.url, self.service.api_key) as client:
-            step = StepBatch(
-                batch_id=await client.batch_id(self.run_id, task, key, occurrence, f"n{samples}"),
-                env=self.service.env,
-                tasks=[task],
-                samples=samples,
-                task_split=self.service.task_split,
-                sampling_params=sglang_sampling_params(sampling_params),
-                max_turns=self.service.max_turns,
-                metadata={"openrlhf_occurrence": occurrence},
-            )
-            episodes = await self._waiter().group(client, step, self.counts)
-        with_logprobs = getattr(sampling_params, "logprobs", None) is not None
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return [
-            response(episode, reward, prompt, label, max_length, with_logprobs, int(pad), self.counts)
-            for episode, reward in zip(episodes, rewards_for_grpo(episodes), strict=True)
-        ]
+    def step_batch(self, key: Hashable, asks: Sequence[GroupAsk[Any]], samples: int) -> StepBatch:
+        """The batch of the groups that came together: OpenRLHF tells an executor no step, so its id
+        is the run's, the groups' prompts' and their occurrence in this process."""
+        parts: list[object] = [[ask.label for ask in asks], samples, key]
+        content = digest(parts)
+        occurrence = self._occurrences.get(content, 0)
+        self._occurrences[content] = occurrence + 1
+        return StepBatch(
+            batch_id=batch_id(self.run_id, f"n{samples}", content, occurrence),
+            env=self.service.env,
+            tasks=[ask.task for ask in asks],
+            samples=samples,
+            task_split=self.service.task_split,
+            sampling_params=json.loads(str(key)),
+            max_turns=self.service.max_turns,
+            metadata={"openrlhf_occurrence": occurrence},
+        )
 
 
 # `from rollout_client.openrlhf import AgentExecutor`: built on first use (it needs the trainer).

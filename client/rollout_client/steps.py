@@ -26,6 +26,7 @@ DEFAULT_TASK_SPLIT = "train"
 DEFAULT_EVAL_TASK_SPLIT = "test"  # a trainer's validation or eval mode
 GROUPS_WAIT_SECONDS = 10.0  # one long-poll of GET /groups for the step's next groups
 GROUPS_PER_PAGE = 256  # groups per page of GET /groups, at most
+DEFAULT_COALESCE_SECONDS = 0.02  # AReaL's, OpenRLHF's calls this close to the first share a batch
 # Trained on: the policy's own episodes. An aborted episode (the engine refused it, or the policy's
 # output could not be parsed) and a failed or cancelled one (infrastructure, or nobody's) are not.
 TRAINABLE_STATUSES = frozenset({"completed", "truncated"})
@@ -53,6 +54,8 @@ class ServiceConfig:
     eval_task_split: str = DEFAULT_EVAL_TASK_SPLIT
     max_turns: int | None = None
     run_id: str | None = None
+    # AReaL, OpenRLHF: the calls arriving within this many seconds of the first share a batch.
+    coalesce_seconds: float = DEFAULT_COALESCE_SECONDS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, *, adapter: str) -> ServiceConfig:
@@ -62,6 +65,7 @@ class ServiceConfig:
                 f"rollout_client.{adapter} needs the environment variables {', '.join(missing)}"
             )
         max_turns = environ.get("ROLLOUT_MAX_TURNS")
+        coalesce = environ.get("ROLLOUT_COALESCE_SECONDS")
         return cls(
             url=environ["ROLLOUT_SERVICE_URL"],
             env=environ["ROLLOUT_ENV"],
@@ -70,7 +74,20 @@ class ServiceConfig:
             eval_task_split=environ.get("ROLLOUT_EVAL_TASK_SPLIT") or DEFAULT_EVAL_TASK_SPLIT,
             max_turns=int(max_turns) if max_turns else None,
             run_id=environ.get("ROLLOUT_RUN_ID") or None,
+            coalesce_seconds=_seconds("ROLLOUT_COALESCE_SECONDS", coalesce)
+            if coalesce
+            else DEFAULT_COALESCE_SECONDS,
         )
+
+
+def _seconds(name: str, value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"{name} must be seconds >= 0, not {value!r}")
+    return seconds
 
 
 def trainer_class(name: str, behaviour: type, base: str, namespace: dict[str, Any]) -> Callable[[str], Any]:
@@ -141,6 +158,7 @@ class StepCounts:
     masked: int = 0  # episodes kept in the batch with a zero mask (the trainer needs every row)
     dropped: int = 0  # episodes left out (the trainer takes fewer rows)
     cut: int = 0  # responses cut at the trainer's length cap (mask and logprobs cut alike)
+    abandoned: int = 0  # rows whose call was cancelled before its group came (nobody took them)
     groups_pages: int = 0  # GET /groups calls the step made
 
     def count(self, episodes: Iterable[EpisodeArrays]) -> None:
@@ -155,6 +173,7 @@ class StepCounts:
             f"{prefix}masked": float(self.masked),
             f"{prefix}dropped": float(self.dropped),
             f"{prefix}cut": float(self.cut),
+            f"{prefix}abandoned": float(self.abandoned),
             f"{prefix}groups_requests": float(self.groups_pages),
         })  # fmt: skip
         return values

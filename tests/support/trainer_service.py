@@ -25,11 +25,11 @@ ADAPTER_SIM = SimConfig(latency_seconds=0.01, malformed_call_rate=0.4, ramble_ra
 
 @asynccontextmanager
 async def adapter_service(
-    database_url: str, monkeypatch: pytest.MonkeyPatch, sim: SimConfig = ADAPTER_SIM
+    database_url: str, monkeypatch: pytest.MonkeyPatch, sim: SimConfig = ADAPTER_SIM, **settings: object
 ) -> AsyncIterator[tuple[str, SimWorker]]:
     worker = SimWorker(sim)
     with serve_in_thread(create_sim_app(worker.config, worker=worker)) as sglang_url:
-        async with serve_app(create_app(service_settings(database_url, sglang_url))) as url:
+        async with serve_app(create_app(service_settings(database_url, sglang_url, **settings))) as url:
             monkeypatch.setenv("ROLLOUT_SERVICE_URL", url)
             monkeypatch.setenv("ROLLOUT_ENV", "builtin/shop")
             monkeypatch.setenv("ROLLOUT_TASK_SPLIT", "test")

@@ -5,8 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
-# The suite runs on this many pytest-xdist workers (`--dist=loadgroup`, pyproject.toml): most of its
-# wall time is waiting (servers starting, engines sampling, polls), so 4 on 2 cores. 0 runs it in-process.
+# The suite runs on this many pytest-xdist workers, `--dist=loadgroup` (the tests sharing a module- or
+# class-scoped fixture go to one worker: tests/conftest.py). Most of its wall time is waiting (servers
+# starting, engines sampling, polls), so 4 on 2 cores; 0 runs it in-process.
 PYTEST_WORKERS ?= 4
 
 .PHONY: install demo demo-vllm test lint pytest test-verifiers openapi docs bench serve clean
@@ -68,7 +69,7 @@ pytest: $(STAMP)
 	scripts/ensure_pgbouncer.sh; pgbouncer=$$?; \
 	if [ $$pgbouncer -ne 0 ] && [ $$pgbouncer -ne 3 ]; then exit $$pgbouncer; fi; \
 	ROLLOUT_SKIP_POSTGRES=$$([ $$postgres -eq 3 ] && echo 1) ROLLOUT_SKIP_BROWSER=$$([ $$chromium -eq 3 ] && echo 1) \
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist=loadgroup $(PYTEST_ARGS)
 
 # verifiers environments end to end, on SQLite and the local PostgreSQL (tests/test_verifiers_envs.py).
 test-verifiers: $(VERIFIERS_STAMP)

@@ -197,7 +197,9 @@ async def test_finished_and_idle_episodes_take_no_more_calls(
     database_url: str, agent_sim: tuple[SimWorker, str]
 ) -> None:
     settings = service_settings(
-        database_url, agent_sim[1], external_idle_seconds=1.0, sweep_interval_seconds=0.2
+        # 3 s: with 1 s, a loaded machine (4 test workers on 2 cores) let the played episode time out
+        # between its call and its finish (409).
+        database_url, agent_sim[1], external_idle_seconds=3.0, sweep_interval_seconds=0.2
     )
     async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         done, idle = await open_episodes(http, samples=2)
@@ -214,7 +216,7 @@ async def test_finished_and_idle_episodes_take_no_more_calls(
             with pytest.raises(openai.ConflictError):
                 await llm.chat.completions.create(model="policy", messages=[QUESTION])  # type: ignore[list-item]
 
-        for _ in range(100):  # the idle one fails within a second and a sweep
+        for _ in range(300):  # the idle one fails within its 3 s and a sweep
             episode = (await http.get(f"/episodes/{idle['episode_id']}")).json()
             if episode["status"] != "running":
                 break

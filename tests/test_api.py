@@ -394,6 +394,11 @@ async def test_a_pause_shows_and_ends_by_itself_at_the_limit(
         assert paused_gauge(await http.get("/metrics")) == 1
 
         await until(lambda: not sim[0]._paused, timeout_seconds=10 * PAUSE_LIMIT_SECONDS)
+        # The limit resumes the engine, then ends the service's pause: /ready follows within a poll.
+        for _ in range(100):
+            if (await http.get("/ready")).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
         assert (await http.get("/ready")).status_code == 200
         assert paused_gauge(await http.get("/metrics")) == 0
     resumed = [r.getMessage() for r in caplog.records if "MAX_PAUSE_SECONDS" in r.getMessage()]

@@ -10,8 +10,7 @@ PYTEST_ARGS ?=
 # starting, engines sampling, polls), so 4 on 2 cores; 0 runs it in-process.
 PYTEST_WORKERS ?= 4
 # A failed test runs again, twice at most (the summary counts reruns). A stopgap: under 4 workers on
-# 2 cores these failed once each and passed again, causes not yet fixed: test_pgbouncer (asyncpg's
-# "prepared statement does not exist" through the transaction pooler), test_weight_updates' abort
+# 2 cores these failed once each and passed again, causes not yet fixed: test_weight_updates' abort
 # pause (the connection closed under POST /engine/continue), test_agents_streaming's timing.
 # PYTEST_RERUNS=0 shows them.
 PYTEST_RERUNS ?= 2

@@ -279,12 +279,20 @@ class GroupRows(EpisodeRows):
         return rows
 
 
+def _without_snapshot(database: Database) -> dict[str, Any]:
+    """Execution options of a PostgreSQL read that needs no snapshot: each statement on its own
+    (AUTOCOMMIT), but inside a transaction behind a transaction-mode pooler, which may otherwise run
+    a statement's prepare and its execution on two server connections ("prepared statement ... does
+    not exist", seen in test_pgbouncer)."""
+    return {} if database.transaction_pooler else {"isolation_level": "AUTOCOMMIT"}
+
+
 async def open_group_rows(
     database: Database, keys: Sequence[tuple[str, int]], *, chunk_bytes: int = CHUNK_BYTES
 ) -> GroupRows:
     session = database.reader()
     try:
-        options = {"isolation_level": "AUTOCOMMIT"} if database.engine.dialect.name == "postgresql" else {}
+        options = _without_snapshot(database) if database.engine.dialect.name == "postgresql" else {}
         connection = await session.connection(execution_options=options)
     except BaseException:
         await session.close()
@@ -340,7 +348,7 @@ async def open_batch_rows(
             options = (
                 {"isolation_level": "REPEATABLE READ", "postgresql_readonly": True}
                 if snapshot
-                else {"isolation_level": "AUTOCOMMIT"}
+                else _without_snapshot(database)
             )
         connection = await session.connection(execution_options=options)
         batch = (await connection.execute(select(*BATCH_SELECTED).where(Batch.id == batch_id))).first()

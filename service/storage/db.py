@@ -225,6 +225,9 @@ class Database:
     writer: Writer  # the process's writes, on one connection, committed in groups
     read_only: AsyncEngine  # the readers' engine: Core reads on the hot path skip the ORM session
     status: DatabaseStatus = field(default_factory=DatabaseStatus, compare=False)
+    # Behind a transaction-mode pooler (PgBouncer): a statement outside a transaction may be
+    # prepared on one server connection and executed on another.
+    transaction_pooler: bool = False
 
     @classmethod
     def open(
@@ -253,6 +256,7 @@ class Database:
             reader=make_sessionmaker(read_only),
             writer=Writer(sessionmaker),
             read_only=read_only,
+            transaction_pooler=transaction_pooler,
         )
 
     async def check(self, timeout_seconds: float = CHECK_TIMEOUT_SECONDS) -> str:

@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # class-scoped fixture go to one worker: tests/conftest.py). Most of its wall time is waiting (servers
 # starting, engines sampling, polls), so 4 on 2 cores; 0 runs it in-process.
 PYTEST_WORKERS ?= 4
-# A failed test runs again, twice at most (the summary counts reruns). A stopgap: under 4 workers on
+# A failed test runs again, twice at most (the summary names each rerun). A stopgap: under 4 workers on
 # 2 cores these failed once each and passed again, causes not yet fixed: test_weight_updates' abort
 # pause (the connection closed under POST /engine/continue), test_agents_streaming's timing.
 # PYTEST_RERUNS=0 shows them.
@@ -74,7 +74,7 @@ pytest: $(STAMP)
 	scripts/ensure_pgbouncer.sh; pgbouncer=$$?; \
 	if [ $$pgbouncer -ne 0 ] && [ $$pgbouncer -ne 3 ]; then exit $$pgbouncer; fi; \
 	ROLLOUT_SKIP_POSTGRES=$$([ $$postgres -eq 3 ] && echo 1) ROLLOUT_SKIP_BROWSER=$$([ $$chromium -eq 3 ] && echo 1) \
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist=loadgroup --reruns $(PYTEST_RERUNS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist=loadgroup --reruns $(PYTEST_RERUNS) -rR $(PYTEST_ARGS)
 
 # verifiers environments end to end, on SQLite and the local PostgreSQL (tests/test_verifiers_envs.py).
 test-verifiers: $(VERIFIERS_STAMP)

@@ -250,6 +250,15 @@ class Settings(BaseSettings):
         "MAX_INFLIGHT_GENERATES and ENV_WORKERS are then the command's totals, shared among them.",
     )
 
+    http_keep_alive_seconds: int = Field(
+        default=75,
+        ge=1,
+        description="How long the service keeps an idle HTTP connection open (uvicorn's own default is "
+        "5 s). Longer than the idle time of common clients' connection pools (aiohttp 15 s, httpx 5 s), "
+        "so the client drops an idle connection first: a connection the server closes just as a client "
+        "reuses it fails that request (aiohttp's ServerDisconnectedError), and no client re-sends a POST.",
+    )
+
     serve_api_processes: int = Field(
         default=0,
         ge=0,

@@ -45,6 +45,7 @@ def run_service(
         port=port,
         log_config=None,
         ws="none",
+        timeout_keep_alive=settings.http_keep_alive_seconds,
         # A backstop: connections still open this long after SIGTERM are closed.
         timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout_seconds)),
     )

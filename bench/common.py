@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,6 +106,29 @@ def sim_worker(latency: float, log_dir: Path, options: tuple[str, ...] = ()) -> 
 
 
 @contextmanager
+def py_spy_of_this_process(profile: Path | None) -> Iterator[None]:
+    """py-spy (the dev extra) records this process while the block runs, as raw stacks to `profile`
+    (nothing if None): every thread, idle samples and who holds the GIL, so the event loop's idle
+    time and each thread's share can be told apart. py-spy pauses the process to sample: a
+    profiled run's CPU figures are not comparable with an unprofiled one's."""
+    if profile is None:
+        yield
+        return
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    command = [py_spy, "record", "--pid", str(os.getpid()), "--format", "raw", "--rate", "200",
+               "--gil", "--idle", "--threads", "-o", str(profile)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # it attaches
+    if process.poll() is not None:
+        raise RuntimeError(f"py-spy exited: {process.stderr.read().decode() if process.stderr else ''}")
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGINT)  # it writes the profile and exits
+        process.wait(STOP_TIMEOUT_SECONDS)
+
+
+@contextmanager
 def fresh_database(kind: str, tmp: Path, *, migrate: bool = False) -> Iterator[str]:
     """A new database, a SQLite file in `tmp` or a PostgreSQL database dropped afterwards; migrated
     to head if `migrate` (`serve` migrates SQLite itself, PostgreSQL with --migrate)."""
@@ -178,8 +202,15 @@ class HealthProbe(threading.Thread):
         self.latencies: list[float] = []
         self.errors: Counter[str] = Counter()
         self.done = threading.Event()
+        self.cpu_seconds = 0.0  # this thread's own CPU, once it ended: a bench in-process subtracts it
 
     def run(self) -> None:
+        try:
+            self._probe()
+        finally:
+            self.cpu_seconds = time.thread_time()
+
+    def _probe(self) -> None:
         with httpx.Client(base_url=self.url, timeout=60) as http:
             while not self.done.is_set():
                 started = time.perf_counter()
@@ -196,4 +227,5 @@ class HealthProbe(threading.Thread):
         self.join()
         figures = percentiles_ms(self.latencies)
         return {"health_p50_ms": figures["p50_ms"], "health_p99_ms": figures["p99_ms"],
+                "health_max_ms": figures["max_ms"], "health_probes": figures["samples"],
                 "health_errors": dict(self.errors)}  # fmt: skip

@@ -40,9 +40,11 @@ import httpx  # noqa: E402
 
 from bench.common import (  # noqa: E402
     SHOP_TEST_TASKS,
+    HealthProbe,
     cpu_seconds_of,
     fresh_database,
     percentiles_ms,
+    py_spy_of_this_process,
     run_loop,
     sim_worker,
 )
@@ -53,7 +55,6 @@ from service.records import rid_attempt_key  # noqa: E402
 from service.serving import serve_app  # noqa: E402
 
 PROBE_INTERVAL = 0.010
-HEALTH_PROBE_INTERVAL = 0.2
 T = TypeVar("T")
 JSON = {"content-type": "application/json"}
 IDLE_PROBE_SECONDS = 2.0
@@ -83,7 +84,8 @@ class _LeaseCounter(logging.Handler):
             self.lost += 1
 
 
-BARE_ATTEMPTS = 3  # the bare client's tries of one call (the simulated worker resets some when loaded)
+BARE_ATTEMPTS = 6  # the bare client's tries of one call (the simulated worker resets some when loaded)
+BARE_BACKOFF_SECONDS = 0.1  # before its second try; doubles
 
 
 class GenerateRecorder:
@@ -118,9 +120,11 @@ class GenerateRecorder:
 async def bare_client_baseline(url: str, bodies: dict[str, list[bytes]]) -> dict[str, float]:
     """The same bodies, each episode's in order, all episodes at once, from one plain aiohttp
     session: what the HTTP calls alone cost this process."""
+    retries = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(bodies) or 1)) as session:
 
         async def replay(episode: list[bytes]) -> None:
+            nonlocal retries
             for body in episode:
                 # A new rid: the service's requests of that rid are long finished, but be safe.
                 for attempt in range(BARE_ATTEMPTS):
@@ -130,15 +134,24 @@ async def bare_client_baseline(url: str, bodies: dict[str, list[bytes]]) -> dict
                         ) as response:
                             await response.read()
                         break
-                    except aiohttp.ClientOSError:  # a reset under 2,000 new connections at once
+                    # A reset or a dropped connection under 2,000 new connections at once.
+                    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
                         if attempt == BARE_ATTEMPTS - 1:
                             raise
+                        retries += 1
+                        await asyncio.sleep(BARE_BACKOFF_SECONDS * 2**attempt)
 
         cpu0, started = time.process_time(), time.perf_counter()
         await asyncio.gather(*(replay(episode) for episode in bodies.values()))
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - started
     calls = sum(len(episode) for episode in bodies.values())
-    return {"calls": calls, "cpu_s": cpu, "wall_s": wall, "cpu_ms_per_call": 1e3 * cpu / max(calls, 1)}
+    return {
+        "calls": calls,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "cpu_ms_per_call": 1e3 * cpu / max(calls, 1),
+        "retries": retries,
+    }
 
 
 class LagProbe:
@@ -165,28 +178,6 @@ class LagProbe:
         return percentiles_ms(self.samples)
 
 
-class HealthProbe(LagProbe):
-    """GET /health every HEALTH_PROBE_INTERVAL from its own connection; latency and errors."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__()
-        self.url = url
-        self.errors: Counter[str] = Counter()
-
-    async def _run(self) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=60) as client:
-            while True:
-                started = time.perf_counter()
-                try:
-                    response = await client.get("/health")
-                    if response.status_code != 200:
-                        self.errors[f"HTTP {response.status_code}"] += 1
-                except httpx.HTTPError as error:
-                    self.errors[type(error).__name__] += 1
-                self.samples.append(time.perf_counter() - started)
-                await asyncio.sleep(HEALTH_PROBE_INTERVAL)
-
-
 async def _run(
     *,
     episodes: int,
@@ -200,6 +191,7 @@ async def _run(
     max_wall: float,
     env: str,
     split: str,
+    profile: Path | None,
 ) -> dict[str, Any]:
     idle = LagProbe()
     idle.start()
@@ -226,52 +218,54 @@ async def _run(
         samples = max(1, episodes // min(episodes, size))
         tasks = min(episodes, size)
         total = tasks * samples
-        probe = LagProbe()
-        probe.start()
-        health = HealthProbe(url)
-        health.start()
-        cpu0, sim_cpu0, env_cpu0 = (
-            time.process_time(),
-            cpu_seconds_of(sim_pid),
-            children_cpu_seconds(os.getpid(), sim_pid),
-        )
-        started = time.perf_counter()
-        response = await client.post(
-            "/episodes",
-            json={
-                "env": env,
-                "task_split": split,
-                "task_indices": list(range(tasks)),
-                "samples_per_task": samples,
-                "sampling_params": {"temperature": 1.0, "max_new_tokens": 256},
-                "max_turns": 12,
-            },
-        )
-        response.raise_for_status()
-        batch_id = response.json()["batch_id"]
-        submitted = time.perf_counter() - started
-        poll_errors: Counter[str] = Counter()
-        batch: dict[str, Any] = {"complete": False, "finished": 0, "counts": {}, "episodes": []}
-        while True:
-            remaining = max_wall - (time.perf_counter() - started)
-            wait = max(0.1, min(5.0, remaining))
-            try:
-                polled = await client.get(f"/batches/{batch_id}", params={"wait": wait})
-            except httpx.HTTPError as error:
-                poll_errors[type(error).__name__] += 1
-            else:
-                if polled.status_code == 200:
-                    batch = polled.json()
+        with py_spy_of_this_process(profile):
+            probe = LagProbe()
+            probe.start()
+            cpu0, sim_cpu0, env_cpu0 = (
+                time.process_time(),
+                cpu_seconds_of(sim_pid),
+                children_cpu_seconds(os.getpid(), sim_pid),
+            )
+            # On its own thread, whose CPU is taken out of the process's: the probe is not the service.
+            health = HealthProbe(url)
+            health.start()
+            started = time.perf_counter()
+            response = await client.post(
+                "/episodes",
+                json={
+                    "env": env,
+                    "task_split": split,
+                    "task_indices": list(range(tasks)),
+                    "samples_per_task": samples,
+                    "sampling_params": {"temperature": 1.0, "max_new_tokens": 256},
+                    "max_turns": 12,
+                },
+            )
+            response.raise_for_status()
+            batch_id = response.json()["batch_id"]
+            submitted = time.perf_counter() - started
+            poll_errors: Counter[str] = Counter()
+            batch: dict[str, Any] = {"complete": False, "finished": 0, "counts": {}, "episodes": []}
+            while True:
+                remaining = max_wall - (time.perf_counter() - started)
+                wait = max(0.1, min(5.0, remaining))
+                try:
+                    polled = await client.get(f"/batches/{batch_id}", params={"wait": wait})
+                except httpx.HTTPError as error:
+                    poll_errors[type(error).__name__] += 1
                 else:
-                    poll_errors[f"HTTP {polled.status_code}"] += 1
-            if batch["complete"] or time.perf_counter() - started >= max_wall:
-                break
-        wall = time.perf_counter() - started
-        env_cpu = children_cpu_seconds(os.getpid(), sim_pid) - env_cpu0
-        service_cpu = time.process_time() - cpu0
-        sim_cpu = cpu_seconds_of(sim_pid) - sim_cpu0
-        loop_stats = await probe.stop()
-        health_stats = await health.stop()
+                    if polled.status_code == 200:
+                        batch = polled.json()
+                    else:
+                        poll_errors[f"HTTP {polled.status_code}"] += 1
+                if batch["complete"] or time.perf_counter() - started >= max_wall:
+                    break
+            wall = time.perf_counter() - started
+            env_cpu = children_cpu_seconds(os.getpid(), sim_pid) - env_cpu0
+            health_stats = await asyncio.to_thread(health.stats)
+            service_cpu = time.process_time() - cpu0 - health.cpu_seconds
+            sim_cpu = cpu_seconds_of(sim_pid) - sim_cpu0
+            loop_stats = await probe.stop()
     recorder.uninstall()
     baseline = await bare_client_baseline(sim_url, recorder.bodies)
     generate_calls = sum(len(bodies) for bodies in recorder.bodies.values())
@@ -319,14 +313,11 @@ async def _run(
         "service_cpu_ms_per_turn": round(1e3 * service_cpu / max(generate_calls, 1), 3),
         "bare_client_cpu_ms_per_call": round(baseline["cpu_ms_per_call"], 3),
         "bare_client_wall_s": round(baseline["wall_s"], 3),
+        "bare_client_retries": baseline["retries"],
         "cpu_ratio_to_bare_client": round(
             service_cpu / max(generate_calls, 1) / max(baseline["cpu_ms_per_call"] / 1e3, 1e-9), 2
         ),
-        "health_p50_ms": health_stats["p50_ms"],
-        "health_p99_ms": health_stats["p99_ms"],
-        "health_max_ms": health_stats["max_ms"],
-        "health_probes": health_stats["samples"],
-        "health_errors": dict(health.errors),
+        **health_stats,
         "env_workers_cpu_s": round(env_cpu, 2),
         "sim_cpu_s": round(sim_cpu, 2),
         "cpus": os.cpu_count(),
@@ -346,6 +337,7 @@ def run_bench(
     database: str = "sqlite",
     env: str = "builtin/shop",
     split: str = "test",
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     logging.getLogger().setLevel(logging.WARNING)
     counter = _LeaseCounter()
@@ -364,6 +356,7 @@ def run_bench(
             database,
             env,
             split,
+            profile,
         )
         result["lost_lease_warnings"] = counter.lost
         return result
@@ -384,11 +377,13 @@ def _run_bench(
     database: str,
     env: str,
     split: str,
+    profile: Path | None,
 ) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp,
         fresh_database(database, Path(tmp), migrate=True) as database_url,
-        sim_worker(latency, Path(tmp)) as (sim_url, sim_pid),
+        # Its prefix cache off: the worker shares the cores with the service, whose CPU is measured.
+        sim_worker(latency, Path(tmp), ("--prefix-cache-tokens", "0")) as (sim_url, sim_pid),
     ):
         result = run_loop(
             _run(
@@ -403,6 +398,7 @@ def _run_bench(
                 max_wall=max_wall,
                 env=env,
                 split=split,
+                profile=profile,
             )
         )
         result["database"] = database
@@ -463,6 +459,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--split", default="test")
     parser.add_argument("--baseline-env", default=None, help="Run this env first, the same way, and compare.")
     parser.add_argument("--baseline-split", default="test")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="py-spy's raw stacks of the measured run to FILE (--gil --idle --threads; CPU figures then "
+        "include py-spy's pauses: compare profiled runs only with each other)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.latency = 50, 0.05
@@ -478,6 +481,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.database,
             env,
             split,
+            args.profile,
         )
 
     if args.baseline_env is None:

@@ -64,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         "--stream-interval", type=int, default=8, help="Tokens per streamed frame (after the first)."
     )
     sim.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=None,
+        help="Tokens its prefix cache holds (default 1,000,000); 0: no prefix cache, and none of its CPU "
+        "(a bench whose measure is the service, on cores it shares with the worker).",
+    )
+    sim.add_argument(
         "--policy",
         default=None,
         metavar="MODULE:FUNCTION",
@@ -173,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.tokenizer:
             sim_config = replace(sim_config, tokenizer_path=args.tokenizer)
+        if args.prefix_cache_tokens is not None:
+            if args.prefix_cache_tokens < 0:
+                parser.error("--prefix-cache-tokens must be at least 0")
+            sim_config = replace(sim_config, prefix_cache_tokens=args.prefix_cache_tokens)
         if args.policy:
             from service.envs.plugins import load_function
 

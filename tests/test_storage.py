@@ -22,6 +22,7 @@ from service.storage.batches import (
 from service.storage.db import Database, make_engine, make_sessionmaker, utcnow
 from service.storage.models import Episode
 from service.storage.queue import (
+    any_queued,
     claim_episodes,
     finish_episode,
     release_episodes,
@@ -172,8 +173,10 @@ async def test_a_batch_id_is_stored_once(db: Database) -> None:
 
 
 async def test_claim_leases_oldest_first_in_group_order(db: Database) -> None:
+    assert not await any_queued(db)
     first = await enqueue(db, groups=2, samples=2)
     second = await enqueue(db, groups=1, samples=1)
+    assert await any_queued(db)
     before = utcnow()
     claimed = await claim_episodes(db.sessionmaker, "w1", 3, LEASE_SECONDS)
     assert [(c.batch_id, c.group_index, c.sample_index) for c in claimed] == [
@@ -186,6 +189,7 @@ async def test_claim_leases_oldest_first_in_group_order(db: Database) -> None:
     assert requests[0].sampling_params == {"temperature": 1.0} and requests[0].task_index == 10
     rest = await claim_episodes(db.sessionmaker, "w2", 10, LEASE_SECONDS)
     assert [(c.batch_id, c.group_index) for c in rest] == [(first, 1), (second, 0)]
+    assert not await any_queued(db)  # all running
     assert await claim_episodes(db.sessionmaker, "w2", 10, LEASE_SECONDS) == []
     assert await claim_episodes(db.sessionmaker, "w2", 0, LEASE_SECONDS) == []
 

@@ -107,7 +107,7 @@ async def _watch_failing_sweep(
         raise make_error()  # type: ignore[operator]
 
     monkeypatch.setattr(queue, "requeue_expired", failing_sweep)
-    monkeypatch.setattr(queue, "claim_episodes", failing_claim)  # else its next claim says "ok"
+    monkeypatch.setattr(queue, "any_queued", failing_claim)  # else its next claim says "ok"
     settings = service_settings(
         database_url, sglang_url, lease_seconds=LEASE_SECONDS, sweep_interval_seconds=SWEEP_SECONDS
     )

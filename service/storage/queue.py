@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.storage import blobs
 from service.storage.agents import EXTERNAL_OWNER
-from service.storage.db import IN_LIST_CHUNK, utcnow
+from service.storage.db import IN_LIST_CHUNK, Database, utcnow
 from service.storage.models import REQUEST_COLUMNS, Batch, Episode
 from service.storage.writer import Transactions
 
@@ -96,6 +96,17 @@ def _claimed(row: Row[Any]) -> ClaimedEpisode:
         sample_index=row.sample_index,
         failures=row.failures,
     )
+
+
+_ANY_QUEUED = select(Episode.id).where(Episode.status == _QUEUED).limit(1)
+
+
+async def any_queued(database: Database) -> bool:
+    """Whether an episode waits in the queue: one read of the status index on a reader's
+    connection. The claim loop asks before it claims: a claim joins the writer's group (on SQLite
+    the file's write lock) even when it finds nothing, five times a second per idle process."""
+    async with database.read_only.connect() as connection:
+        return (await connection.execute(_ANY_QUEUED)).first() is not None
 
 
 async def claim_episodes(

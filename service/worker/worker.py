@@ -165,9 +165,10 @@ class EpisodeWorker:
                     limit = 0
             if limit > 0:
                 try:
-                    claimed = await queue.claim_episodes(
-                        self.writes, self.worker_id, limit, self.settings.lease_seconds
-                    )
+                    if await queue.any_queued(self.database):
+                        claimed = await queue.claim_episodes(
+                            self.writes, self.worker_id, limit, self.settings.lease_seconds
+                        )
                     self.database.status.ok()
                 except Exception as error:
                     self._round_failed("claiming episodes", error)

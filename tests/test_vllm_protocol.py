@@ -61,6 +61,10 @@ def test_sampling_params_map_to_vllm_names_or_are_named_as_missing() -> None:
         "logprobs": 0,
     }
     assert unsupported_by_vllm(params) is None
+    # Without stop strings vLLM need not detokenize (the answer carries no text either way).
+    without_stop = {name: value for name, value in params.items() if name != "stop"}
+    assert vllm_sampling_params(without_stop)["detokenize"] is False
+    assert vllm_sampling_params(without_stop | {"stop": []})["detokenize"] is False
     assert unsupported_by_vllm({"max_new_tokens": 8, "stop_regex": ["x"]}) == "stop_regex"
     assert unsupported_by_vllm({"custom_params": {"a": 1}}) == "custom_params"
     with pytest.raises(EngineRequestError, match="stop_regex"):
@@ -108,6 +112,13 @@ async def test_the_simulated_worker_answers_as_vllm_does() -> None:
         assert answered["request_id"] == recorded["request_id"] == "generate-tokens-e:0:0"
         # Compact JSON, as Starlette's JSONResponse writes it.
         assert response.content == json.dumps(answered, separators=(",", ":"), ensure_ascii=False).encode()
+        # What the client sends without stop strings: the same answer (vLLM's tokens mode has no text).
+        untexted = body | {"sampling_params": body["sampling_params"] | {"detokenize": False}}
+        bare = await http.post("/inference/v1/generate", json=untexted)
+        assert bare.json()["choices"] == answered["choices"]
+        stop_untexted = untexted | {"sampling_params": untexted["sampling_params"] | {"stop": ["x"]}}
+        refused = await http.post("/inference/v1/generate", json=stop_untexted)
+        assert refused.status_code == 400 and "detokenize" in refused.json()["error"]["message"]
         too_long = await http.post("/inference/v1/generate", json=body | {"token_ids": [5] * 40_000})
         assert too_long.status_code == 400
         assert "maximum model length" in too_long.json()["error"]["message"]

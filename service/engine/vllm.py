@@ -11,6 +11,12 @@ What differs from SGLang, from vLLM 0.32's source (entrypoints/scale_out/token_i
 - an aborted request answers 200 with `finish_reason: "abort"` and what it sampled so far;
 - pause and resume are `POST /pause?mode=abort|keep|wait` and `/resume` (the server needs
   `VLLM_SERVER_DEV_MODE=1`); `keep` freezes requests in flight and continues them after the resume;
+- vLLM detokenizes each request's output as it samples, for stop strings and a text answer: this
+  client asks for tokens only (`output_mode` tokens, vLLM's default), whose answer carries no text
+  either way (GenerateTokensChoice), and reads the text from its own tokenizer, so it sends
+  `detokenize: false` wherever no stop string is set (vLLM refuses stop strings without it): the
+  engine skips its incremental detokenizer for every token, and the answer is byte for byte the
+  same;
 - logprobs come from the server's `--logprobs-mode`: `raw_logprobs` (vLLM's default) are the
   model's before temperature and penalties; serve with `processed_logprobs` for the distribution
   sampled from (what SGLang returns, and what an importance ratio needs). The service reads the
@@ -21,9 +27,10 @@ What differs from SGLang, from vLLM 0.32's source (entrypoints/scale_out/token_i
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
+
+import orjson
 
 from service.engine.client import (
     EngineRequestError,
@@ -97,6 +104,8 @@ def vllm_sampling_params(sampling_params: dict[str, Any]) -> dict[str, Any]:
     if structured:
         params["structured_outputs"] = structured
     params["logprobs"] = 0  # the sampled token's own, no alternatives
+    if not params.get("stop"):
+        params["detokenize"] = False  # see the module docstring; stop strings need vLLM's text
     return params
 
 
@@ -196,13 +205,13 @@ class VLLMClient(SGLangClient):
                 self._live.pop(f"{rid}.retry{retry}", None)
 
     def _encode_params(self, sampling_params: dict[str, Any]) -> str:
-        return json.dumps(vllm_sampling_params(sampling_params), separators=(",", ":"))
+        return orjson.dumps(vllm_sampling_params(sampling_params)).decode()  # as SGLang's: every turn
 
     def _request_body(self, input_ids_json: str, sampling_params_json: str, rid: str) -> bytes:
         self._live[rid] = None
         return (
             f'{{"token_ids":{input_ids_json},"sampling_params":{sampling_params_json},'
-            f'"request_id":{json.dumps(rid)}}}'
+            f'"request_id":{orjson.dumps(rid).decode()}}}'
         ).encode()
 
     def _parse(self, body: Any) -> Generation:

@@ -15,6 +15,10 @@ VLLM_ID_PREFIX = "generate-tokens-"  # vLLM's id of a /inference/v1/generate req
 # vLLM's SamplingParams names the simulated policy reads -> SGLang's (the policy's own).
 VLLM_TO_SGLANG = {"max_tokens": "max_new_tokens", "stop_token_ids": "stop_token_ids", "stop": "stop"}
 VLLM_DEFAULT_MAX_TOKENS = 16
+# SamplingParams._verify_args: vLLM matches stop strings in the text it detokenizes as it samples.
+VLLM_STOP_NEEDS_TEXT = (
+    "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
+)
 
 
 def vllm_finish(finish_reason: dict[str, Any], eos_id: int) -> tuple[str, int | str | None]:
@@ -37,6 +41,9 @@ def sglang_body_of_vllm(body: Any) -> dict[str, Any]:
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise SimHTTPError(400, "sampling_params must be an object.")
+    # `detokenize: false` changes nothing else here: a tokens-mode answer carries no text either way.
+    if params.get("stop") and params.get("detokenize") is False:
+        raise SimHTTPError(400, VLLM_STOP_NEEDS_TEXT)
     sglang = {VLLM_TO_SGLANG[name]: value for name, value in params.items() if name in VLLM_TO_SGLANG}
     sglang.setdefault("max_new_tokens", VLLM_DEFAULT_MAX_TOKENS)
     rid = body.get("request_id")

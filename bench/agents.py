@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,11 +39,9 @@ from bench.common import (  # noqa: E402
     cpu_seconds_of,
     fresh_database,
     percentiles_ms,
+    serve_process,
     sim_worker,
-    stop,
-    wait_healthy,
 )
-from tests.support.ports import free_port  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant of an online shop."}
 GOAL = (
@@ -205,28 +201,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, sim_worker(args.latency, Path(tmp)) as (sim_url, _):
         with fresh_database(args.database, Path(tmp), migrate=True) as database_url:
-            port = free_port()
-            log = Path(tmp) / "serve.log"
-            env = {
-                **os.environ,
-                "DATABASE_URL": database_url,
-                "SGLANG_URL": sim_url,
-                "API_KEYS": "",
-                "LOG_LEVEL": "WARNING",
-                "MAX_EPISODES_PER_REQUEST": str(max(10_000, args.agents)),
-            }
-            with log.open("wb") as out:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "service", "serve", "--port", str(port)],
-                    cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True,
-                )  # fmt: skip
-            url = f"http://127.0.0.1:{port}"
-            try:
-                wait_healthy(url, process, log)
-                figures = asyncio.run(drive(url, process.pid, sim_url, args))
-            finally:
-                stop(process)
-            errors = [line for line in log.read_text(errors="replace").splitlines() if '"ERROR"' in line]
+            bound = str(max(10_000, args.agents))
+            with serve_process(database_url, sim_url, Path(tmp), MAX_EPISODES_PER_REQUEST=bound) as served:
+                figures = asyncio.run(drive(served.url, served.pid, sim_url, args))
+            errors = served.error_log_lines()
     result = {
         "bench": "agents",
         "database": args.database,
@@ -236,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "latency_s": args.latency,
         "goal": GOAL,
         **figures,
-        "service_error_log_lines": len(errors),
+        "service_error_log_lines": errors,
     }
     print(json.dumps(result), flush=True)
     return result

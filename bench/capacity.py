@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,15 +47,12 @@ sys.path.insert(0, str(REPO))
 from bench.common import (  # noqa: E402
     POSTGRES_HOST,
     SHOP_TEST_TASKS,
-    START_TIMEOUT_SECONDS,
     fresh_database,
+    serve_process,
     sim_worker,
-    stop,
     submit_and_wait,
-    wait_healthy,
 )
-from bench.workers import machine_cpu_seconds, process_tree_cpu_seconds, started_processes  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
+from bench.workers import machine_cpu_seconds, process_tree_cpu_seconds  # noqa: E402
 
 CHUNK_BYTES = 65536
 SSL_REQUEST, GSSENC_REQUEST = 80877103, 80877104  # untyped start-up messages before the real one
@@ -218,9 +214,6 @@ def run_once(
     sim_url, sim_pid = sim
     samples = max(1, episodes // SHOP_TEST_TASKS)
     tasks = min(episodes, SHOP_TEST_TASKS)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp / f"serve-{processes}-{port}.log"
     host, _, pg_port = POSTGRES_HOST.rpartition("@")[2].partition(":")
     with (
         fresh_database("postgres", tmp, migrate=True) as direct_url,
@@ -230,47 +223,28 @@ def run_once(
         user = POSTGRES_HOST.partition("@")[0]
         proxied = f"postgresql+asyncpg://{user}@127.0.0.1:{proxy.port}/{database}?ssl=disable"
         bound = str(max(episodes, 2048))
-        environment = {
-            **os.environ,
-            "DATABASE_URL": proxied,
-            "SGLANG_URL": sim_url,
-            "API_KEYS": "",
-            "LOG_LEVEL": "INFO",
-            "ENV_EXECUTOR": "thread",
-            "ENV_WORKERS": "2",
-            "MAX_RUNNING_EPISODES": bound,
-            "MAX_INFLIGHT_GENERATES": bound,
-        }
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "service", "serve", "--port", str(port), "--workers", str(processes)],
-                cwd=REPO, env=environment, stdout=out, stderr=out, start_new_session=True,
-            )  # fmt: skip
-        try:
-            wait_healthy(url, process, log)
-            deadline = time.monotonic() + START_TIMEOUT_SECONDS
-            while started_processes(log) < processes:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError(f"{processes} processes did not start:\n{log.read_text()[-3000:]}")
-                time.sleep(0.2)
+        with serve_process(
+            proxied, sim_url, tmp, options=("--workers", str(processes)), processes=processes,
+            LOG_LEVEL="INFO", ENV_EXECUTOR="thread", ENV_WORKERS="2",
+            MAX_RUNNING_EPISODES=bound, MAX_INFLIGHT_GENERATES=bound,
+        ) as served:  # fmt: skip
             with sampling_backends(database) as backends:
                 time.sleep(2 * BACKEND_SAMPLE_SECONDS)  # the pools' connections seen before the clock starts
                 stats0 = asyncio.run(database_stats(database))
                 traffic0 = Traffic(**asdict(proxy.traffic))
-                cpu0, sim_cpu0 = process_tree_cpu_seconds(process.pid), process_tree_cpu_seconds(sim_pid)
+                cpu0, sim_cpu0 = process_tree_cpu_seconds(served.pid), process_tree_cpu_seconds(sim_pid)
                 machine0 = machine_cpu_seconds()
                 load = os.getloadavg()[0]
                 started = time.perf_counter()
-                batch = submit_and_wait(url, tasks, samples, max_wall)
+                batch = submit_and_wait(served.url, tasks, samples, max_wall)
                 wall = time.perf_counter() - started
-                cpu = process_tree_cpu_seconds(process.pid) - cpu0
+                cpu = process_tree_cpu_seconds(served.pid) - cpu0
                 sim_cpu = process_tree_cpu_seconds(sim_pid) - sim_cpu0
                 machine = machine_cpu_seconds() - machine0
                 stats = asyncio.run(database_stats(database))
                 traffic = proxy.traffic
             pg_cpu = backends.seconds()
-        finally:
-            exit_code = stop(process)
+        exit_code = served.process.returncode
     turns = sum(episode["num_turns"] or 0 for episode in batch["episodes"])
     finished = batch["finished"]
     delta = {key: stats[key] - stats0.get(key, 0) for key in stats}

@@ -13,8 +13,9 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,6 +32,15 @@ SHOP_TEST_TASKS = 50  # builtin/shop's test split
 HEALTH_INTERVAL_SECONDS = 0.2
 LONG_POLL_SECONDS = 300.0  # the service's MAX_LONG_POLL_SECONDS
 T = TypeVar("T")
+
+
+def shop_oracle_without_rambles(prompt_text: str, key: str) -> str:
+    """The simulated worker's builtin/shop oracle (with its mistakes) less its rambling turns, for a
+    `sim_worker(..., ("--policy", "bench.common:shop_oracle_without_rambles"))`: no response is cut
+    at a cap, whatever the caps."""
+    from service.sim.policy import SimConfig, policy_reply
+
+    return policy_reply(prompt_text, key, SimConfig(ramble_rate=0.0))[0]
 
 
 def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
@@ -101,6 +111,65 @@ def sim_worker(latency: float, log_dir: Path, options: tuple[str, ...] = ()) -> 
     try:
         wait_healthy(url, process, log)
         yield url, process.pid
+    finally:
+        stop(process)
+
+
+def started_processes(log: Path) -> int:
+    """How many of `serve`'s processes have started, from its INFO log."""
+    return log.read_text(errors="replace").count('"message": "Application startup complete."')
+
+
+@dataclass(frozen=True)
+class ServeProcess:
+    """A running `python -m service serve`: its URL, process and log file."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def error_log_lines(self) -> int:
+        return sum(1 for line in self.log.read_text(errors="replace").splitlines() if '"ERROR"' in line)
+
+
+@contextmanager
+def serve_process(
+    database_url: str,
+    sglang_url: str,
+    log_dir: Path,
+    *,
+    options: Sequence[str] = (),
+    processes: int = 1,
+    launcher: Sequence[str] = ("-m", "service"),
+    **environment: str,
+) -> Iterator[ServeProcess]:
+    """`python <launcher> serve --port <free port> <options>` in its own process (group), on
+    `database_url` with the engine at `sglang_url`, no API keys, LOG_LEVEL=WARNING, and `environment`
+    on top; yielded once healthy and, if `processes` > 1, once that many of its processes have
+    started (read from its log: LOG_LEVEL=INFO). Stopped on the way out: its exit code is then
+    `.process.returncode`."""
+    port = free_port()
+    log = log_dir / f"serve-{port}.log"
+    env = {**os.environ, "DATABASE_URL": database_url, "SGLANG_URL": sglang_url, "API_KEYS": "",
+           "LOG_LEVEL": "WARNING", **environment}  # fmt: skip
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, *launcher, "serve", "--port", str(port), *options],
+            cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True,
+        )  # fmt: skip
+    served = ServeProcess(f"http://127.0.0.1:{port}", process, log)
+    try:
+        wait_healthy(served.url, process, log)
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while processes > 1 and started_processes(log) < processes:  # all up before any clock starts
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"{processes} processes did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(HEALTH_INTERVAL_SECONDS)
+        yield served
     finally:
         stop(process)
 

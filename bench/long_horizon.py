@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +43,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 
-from bench.common import fresh_database, stop, wait_healthy  # noqa: E402
+from bench.common import fresh_database, serve_process  # noqa: E402
 from service.engine.client import Generation, SGLangClient  # noqa: E402
 from service.engine.transport import SocketTransport  # noqa: E402
 from service.envs.base import Action, Reset, Step  # noqa: E402
@@ -53,7 +51,6 @@ from service.loop.runner import EpisodeRunner  # noqa: E402
 from service.loop.toolcalls import parse_qwen25  # noqa: E402
 from service.records import EpisodeRequest, EpisodeSpec  # noqa: E402
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
 from tests.support.tokenizer import chat_tokenizer  # noqa: E402
 
 TURNS = (8, 32, 128)
@@ -230,29 +227,9 @@ def run_external(context: int, turns: int, database: str, profile: Path | None) 
         serve_in_thread(create_sim_app(config, worker=SimWorker(config))) as sim_url,
         fresh_database(database, Path(tmp), migrate=True) as database_url,
     ):
-        port = free_port()
-        log = Path(tmp) / "serve.log"
-        env = {
-            **os.environ,
-            "DATABASE_URL": database_url,
-            "SGLANG_URL": sim_url,
-            "API_KEYS": "",
-            "LOG_LEVEL": "WARNING",
-        }
-        serve = ["-m", "service", "serve", "--port", str(port)]
-        if profile is not None:
-            serve = ["-c", PROFILED.format(stats=str(profile)), "serve", "--port", str(port)]
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                [sys.executable, *serve],
-                cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True,
-            )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url, process, log)
-            return asyncio.run(play_external(url, process.pid, system_prompt, turns))
-        finally:
-            stop(process)
+        launcher = ("-m", "service") if profile is None else ("-c", PROFILED.format(stats=str(profile)))
+        with serve_process(database_url, sim_url, Path(tmp), launcher=launcher) as served:
+            return asyncio.run(play_external(served.url, served.pid, system_prompt, turns))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

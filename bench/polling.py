@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,11 +35,9 @@ from bench.common import (  # noqa: E402
     fresh_database,
     percentiles_ms,
     run_loop,
+    serve_process,
     sim_worker,
-    stop,
-    wait_healthy,
 )
-from tests.support.ports import free_port  # noqa: E402
 
 SHOP_TRAIN_TASKS = 200
 HEALTH_INTERVAL_SECONDS = 0.2
@@ -171,32 +168,13 @@ def run_bench(
         fresh_database(database, Path(tmp_name), migrate=True) as database_url,
         sim_worker(latency, Path(tmp_name)) as (sim_url, _),
     ):
-        tmp = Path(tmp_name)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = tmp / "serve.log"
-        environment = {
-            **os.environ,
-            "DATABASE_URL": database_url,
-            "SGLANG_URL": sim_url,
-            "API_KEYS": "",
-            "LOG_LEVEL": "INFO",
-            "MAX_RUNNING_EPISODES": str(episodes),
-            "MAX_INFLIGHT_GENERATES": str(episodes),
-            "SERVE_WORKERS": str(serve_workers),
-            "SERVE_API_PROCESSES": str(api_processes),
-        }
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                cwd=REPO, env=environment, stdout=out, stderr=out, start_new_session=True,
-            )  # fmt: skip
-        try:
-            wait_healthy(url, process, log)
-            result = run_loop(measure(url, episodes, clients, seconds, interval))
-        finally:
-            stop(process)
-        text = log.read_text(errors="replace")
+        with serve_process(
+            database_url, sim_url, Path(tmp_name), LOG_LEVEL="INFO",
+            MAX_RUNNING_EPISODES=str(episodes), MAX_INFLIGHT_GENERATES=str(episodes),
+            SERVE_WORKERS=str(serve_workers), SERVE_API_PROCESSES=str(api_processes),
+        ) as served:  # fmt: skip
+            result = run_loop(measure(served.url, episodes, clients, seconds, interval))
+        text = served.log.read_text(errors="replace")
     result.update({name: text.count(sign) for name, sign in LOG_SIGNS.items()})
     result.update(
         {

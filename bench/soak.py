@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,12 +47,10 @@ from bench.common import (  # noqa: E402
     HealthProbe,
     fresh_database,
     percentiles_ms,
+    serve_process,
     sim_worker,
-    stop,
-    wait_healthy,
 )
 from bench.workers import process_tree_cpu_seconds  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
 
 TASKS, SAMPLES = 8, 8
 BATCH = TASKS * SAMPLES  # 64 episodes
@@ -320,27 +317,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sim_worker(args.latency, tmp) as (sim_url, _),
             fresh_database(args.database, tmp) as database_url,
         ):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            log = tmp / "serve.log"
             bound = str(max(args.in_flight, 2048))
-            environment = {**os.environ, "DATABASE_URL": database_url, "SGLANG_URL": sim_url, "API_KEYS": "",
-                           "LOG_LEVEL": "WARNING", "ENV_EXECUTOR": "thread", "MAX_RUNNING_EPISODES": bound,
-                           "MAX_INFLIGHT_GENERATES": bound}  # fmt: skip
-            with log.open("wb") as out:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "service", "serve", "--port", str(port), "--migrate"],
-                    cwd=REPO, env=environment, stdout=out, stderr=out, start_new_session=True,
-                )  # fmt: skip
-            try:
-                wait_healthy(url, process, log)
-                result = asyncio.run(soak(url, sim_url, process.pid, database_url, args))
-            finally:
-                exit_code = stop(process)
-            errors_logged = sum(
-                1 for line in log.read_text(errors="replace").splitlines() if '"ERROR"' in line
-            )
-            result |= {"serve_exit_code": exit_code, "error_log_lines": errors_logged}
+            with serve_process(
+                database_url, sim_url, tmp, options=("--migrate",), ENV_EXECUTOR="thread",
+                MAX_RUNNING_EPISODES=bound, MAX_INFLIGHT_GENERATES=bound,
+            ) as served:  # fmt: skip
+                result = asyncio.run(soak(served.url, sim_url, served.pid, database_url, args))
+            result |= {"serve_exit_code": served.process.returncode}
+            result |= {"error_log_lines": served.error_log_lines()}
     print(json.dumps(result))
     return result
 

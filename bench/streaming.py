@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,8 +33,7 @@ sys.path.insert(0, str(REPO))
 import aiohttp  # noqa: E402
 import orjson  # noqa: E402
 
-from bench.common import fresh_database, percentiles_ms, sim_worker, stop, wait_healthy  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
+from bench.common import fresh_database, percentiles_ms, serve_process, sim_worker  # noqa: E402
 from tests.support.tokenizer import load_test_tokenizer  # noqa: E402
 
 GOAL_MS = 5.0
@@ -166,26 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     with tempfile.TemporaryDirectory() as tmp, sim_worker(args.latency, Path(tmp), options) as (sim_url, _):
         with fresh_database(args.database, Path(tmp), migrate=True) as database_url:
-            port = free_port()
-            log = Path(tmp) / "serve.log"
-            env = {
-                **os.environ,
-                "DATABASE_URL": database_url,
-                "SGLANG_URL": sim_url,
-                "API_KEYS": "",
-                "LOG_LEVEL": "WARNING",
-            }
-            with log.open("wb") as out:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "service", "serve", "--port", str(port)],
-                    cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True,
-                )  # fmt: skip
-            url = f"http://127.0.0.1:{port}"
-            try:
-                wait_healthy(url, process, log)
-                figures = asyncio.run(drive(url, sim_url, args))
-            finally:
-                stop(process)
+            with serve_process(database_url, sim_url, Path(tmp)) as served:
+                figures = asyncio.run(drive(served.url, sim_url, args))
     result = {
         "bench": "streaming",
         "database": args.database,

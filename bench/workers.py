@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,15 +34,12 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import (  # noqa: E402
     SHOP_TEST_TASKS,
-    START_TIMEOUT_SECONDS,
     HealthProbe,
     fresh_database,
+    serve_process,
     sim_worker,
-    stop,
     submit_and_wait,
-    wait_healthy,
 )
-from tests.support.ports import free_port  # noqa: E402
 
 GOAL_RATIO = 1.7  # issue 10: 2 processes on 2 cores
 
@@ -86,10 +82,6 @@ def engine(args: argparse.Namespace, log_dir: Path) -> Iterator[tuple[str, int |
         yield sim
 
 
-def started_processes(log: Path) -> int:
-    return log.read_text(errors="replace").count('"message": "Application startup complete."')
-
-
 def run_once(
     workers: int,
     episodes: int,
@@ -102,49 +94,28 @@ def run_once(
 ) -> dict[str, Any]:
     samples = max(1, episodes // SHOP_TEST_TASKS)
     tasks = min(episodes, SHOP_TEST_TASKS)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp / f"serve-{workers}-{port}.log"
-    with fresh_database(kind, tmp) as database_url, log.open("wb") as out:
-        bound = str(max(episodes, 2048))  # the command's totals: no bound below the batch
-        environment = {
-            **os.environ,
-            "DATABASE_URL": database_url,
-            "SGLANG_URL": sim_url,
-            "API_KEYS": "",
-            "LOG_LEVEL": "INFO",
-            "ENV_EXECUTOR": "thread",
-            "ENV_WORKERS": "2",
-            "MAX_RUNNING_EPISODES": bound,
-            "MAX_INFLIGHT_GENERATES": bound,
-            "SERVE_API_PROCESSES": str(api_processes),
-        }
-        process = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--port", str(port), "--workers", str(workers),
-             "--migrate"],
-            cwd=REPO, env=environment, stdout=out, stderr=out, start_new_session=True,
-        )  # fmt: skip
-        try:
-            wait_healthy(url, process, log)
-            deadline = time.monotonic() + START_TIMEOUT_SECONDS
-            while started_processes(log) < workers + api_processes:  # all up before the clock starts
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError(f"{workers} processes did not start:\n{log.read_text()[-3000:]}")
-                time.sleep(0.2)
-            load = os.getloadavg()[0]
-            cpu0, sim_cpu0 = process_tree_cpu_seconds(process.pid), process_tree_cpu_seconds(sim_pid)
-            machine_cpu0 = machine_cpu_seconds()
-            started = time.perf_counter()
-            health = HealthProbe(url)
-            health.start()
-            batch = submit_and_wait(url, tasks, samples, max_wall)
-            wall = time.perf_counter() - started
-            health_stats = health.stats()
-            cpu = process_tree_cpu_seconds(process.pid) - cpu0
-            sim_cpu = process_tree_cpu_seconds(sim_pid) - sim_cpu0
-            machine_cpu = machine_cpu_seconds() - machine_cpu0
-        finally:
-            exit_code = stop(process)
+    bound = str(max(episodes, 2048))  # the command's totals: no bound below the batch
+    with (
+        fresh_database(kind, tmp) as database_url,
+        serve_process(
+            database_url, sim_url, tmp, options=("--workers", str(workers), "--migrate"),
+            processes=workers + api_processes, LOG_LEVEL="INFO", ENV_EXECUTOR="thread", ENV_WORKERS="2",
+            MAX_RUNNING_EPISODES=bound, MAX_INFLIGHT_GENERATES=bound, SERVE_API_PROCESSES=str(api_processes),
+        ) as served,
+    ):  # fmt: skip
+        load = os.getloadavg()[0]
+        cpu0, sim_cpu0 = process_tree_cpu_seconds(served.pid), process_tree_cpu_seconds(sim_pid)
+        machine_cpu0 = machine_cpu_seconds()
+        started = time.perf_counter()
+        health = HealthProbe(served.url)
+        health.start()
+        batch = submit_and_wait(served.url, tasks, samples, max_wall)
+        wall = time.perf_counter() - started
+        health_stats = health.stats()
+        cpu = process_tree_cpu_seconds(served.pid) - cpu0
+        sim_cpu = process_tree_cpu_seconds(sim_pid) - sim_cpu0
+        machine_cpu = machine_cpu_seconds() - machine_cpu0
+    exit_code = served.process.returncode
     turns = sum(episode["num_turns"] or 0 for episode in batch["episodes"])
     return {
         "workers": workers,

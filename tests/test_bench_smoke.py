@@ -236,8 +236,11 @@ def test_trainer_adapters_quick(capsys: pytest.CaptureFixture[str]) -> None:
     result = last_json_line(capsys.readouterr().out)
     assert result == json.loads(json.dumps(returned))
     for way in ("bare_client", "slime", "verl", "trl", "skyrl", "areal", "openrlhf"):
-        assert_positive(result[way], "cold_seconds", "warm_seconds")
+        assert_positive(result[way], "cold_seconds", "warm_seconds", "warm_cpu_seconds")
+        assert 0 <= result[way]["cold_tail_seconds"] < result[way]["cold_seconds"]
     assert "max_overhead_of_step" in result and result["verl_vs_slime_cold"] > 0
+    assert {"overhead_goal_met", "verl_vs_slime_goal_met"} <= result.keys()
+    assert len(result["load_average_before"]) == 3
 
 
 @pytest.mark.postgres

@@ -225,10 +225,17 @@ def _check_group(step: StepBatch, group: int, episodes: list[EpisodeArrays]) -> 
         )
 
 
-def pull_step(client: RolloutClient, step: StepBatch, counts: StepCounts) -> list[list[EpisodeArrays]]:
+def pull_step(
+    client: RolloutClient,
+    step: StepBatch,
+    counts: StepCounts,
+    on_groups: Callable[[dict[int, list[EpisodeArrays]]], None] | None = None,
+) -> list[list[EpisodeArrays]]:
     """Submits the step (idempotent: a repeated id gets the same episodes back) and returns every
-    group, in the step's group order, each in sample order. If the wait is interrupted (the trainer
-    stops the step: KeyboardInterrupt, an error in another thread's callback), the batch is cancelled."""
+    group, in the step's group order, each in sample order; `on_groups` is given each page's groups
+    (group index -> episodes) as they come, to convert them while the next ones run. If the wait is
+    interrupted (the trainer stops the step: KeyboardInterrupt, an error in another thread's
+    callback), the batch is cancelled."""
     client.submit(step.env, step.tasks, **step.submit_fields())
     groups: dict[int, list[EpisodeArrays]] = {}
     cursor = 0
@@ -238,9 +245,13 @@ def pull_step(client: RolloutClient, step: StepBatch, counts: StepCounts) -> lis
                 cursor, GROUPS_PER_PAGE, GROUPS_WAIT_SECONDS, include_cancelled=True, batch_id=step.batch_id
             )
             counts.groups_pages += 1
+            arrived: dict[int, list[EpisodeArrays]] = {}
             for (_, group), episodes in page.groups().items():
                 _check_group(step, group, episodes)
-                groups[group] = episodes
+                arrived[group] = episodes
+            groups |= arrived
+            if on_groups is not None and arrived:
+                on_groups(arrived)
             cursor = page.next
     except BaseException:
         _cancel_quietly(client, step.batch_id)

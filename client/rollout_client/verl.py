@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import numpy as np
@@ -103,93 +103,132 @@ def task_of_row(non_tensors: Mapping[str, Any], row: int) -> int:
 
 
 def _positions(
-    width: int, starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
+    width: int, rows: npt.NDArray[np.int64], starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
 ) -> npt.NDArray[np.int64]:
-    """Flat (row-major) positions, in a (rows, width) array, of `lengths[r]` columns from
-    `starts[r]` in each row r: where the rows' parts, concatenated, go."""
+    """Flat (row-major) positions, in a (n, width) array, of `lengths[i]` columns from `starts[i]` in
+    row `rows[i]`: where the rows' parts, concatenated, go."""
     before = np.cumsum(lengths) - lengths
-    row_starts = np.arange(len(lengths), dtype=np.int64) * width + starts
+    row_starts = rows * width + starts
     return np.repeat(row_starts - before, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
-def _fill(dense: npt.NDArray[Any], positions: npt.NDArray[np.int64], parts: list[npt.NDArray[Any]]) -> None:
-    """Writes the rows' parts, concatenated, at `positions` of `dense`: one copy for the batch, not
-    one per row (a trainer's thread waits for the GIL after each numpy copy, which releases it)."""
-    if parts:
-        dense.reshape(-1)[positions] = np.concatenate(parts)
+def _objects(values: list[Any]) -> npt.NDArray[Any]:
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    return array
+
+
+class VerlRows:
+    """A step's tensors as verl's AgentLoopWorker._postprocess makes them, one row per episode,
+    filled page by page as the groups come: a page's rows are written while the next groups still
+    run (as slime's hook fills its samples), so that only the last page's rows are left to fill once
+    the step's last group is in. Each fill is a handful of numpy calls over the page's tokens and
+    rows, not several per row (a trainer's thread waits for the GIL after each numpy copy, which
+    releases it). The dense tensors (rows x (prompt + response length)) are allocated at the first
+    fill, not before the step's POST."""
+
+    def __init__(self, size: int, shape: VerlShape) -> None:
+        self.size, self.shape = size, shape
+        self.episodes: list[EpisodeArrays | None] = [None] * size
+        self.tensors: dict[str, npt.NDArray[Any]] = {}
+
+    def _allocate(self) -> None:
+        size, pad = self.size, self.shape.pad_token_id
+        plen, rlen = self.shape.prompt_length, self.shape.response_length
+        self.tensors = {
+            "prompts": np.full((size, plen), pad, dtype=np.int64),
+            "responses": np.full((size, rlen), pad, dtype=np.int64),
+            "response_mask": np.zeros((size, rlen), dtype=np.int64),
+            "input_ids": np.full((size, plen + rlen), pad, dtype=np.int64),
+            "attention_mask": np.zeros((size, plen + rlen), dtype=np.int64),
+            "position_ids": np.zeros((size, plen + rlen), dtype=np.int64),
+            "rollout_log_probs": np.zeros((size, rlen), dtype=np.float32),
+            "rm_scores": np.zeros((size, rlen), dtype=np.float32),
+        }  # fmt: skip
+
+    def fill(
+        self,
+        rows: Sequence[int],
+        episodes: Sequence[EpisodeArrays],
+        rewards: Sequence[float],
+        counts: StepCounts,
+    ) -> None:
+        """Writes `episodes[i]` with `rewards[i]` at row `rows[i]`."""
+        count, plen, rlen = len(episodes), self.shape.prompt_length, self.shape.response_length
+        if not count:
+            return
+        prompt_lengths = np.fromiter((len(e.prompt_ids) for e in episodes), dtype=np.int64, count=count)
+        if prompt_lengths.max() > plen:
+            episode = episodes[int(prompt_lengths.argmax())]
+            raise ValueError(
+                f"episode {episode.episode_id}'s prompt has {len(episode.prompt_ids)} tokens, more than "
+                f"actor_rollout_ref.rollout.prompt_length={plen}: raise it (verl never cuts a prompt)"
+            )
+        if not self.tensors:
+            self._allocate()
+        at = np.asarray(rows, dtype=np.int64)
+        lengths = np.fromiter((len(e.response_ids) for e in episodes), dtype=np.int64, count=count)
+        kept = np.minimum(lengths, rlen)
+        trained = np.fromiter((e.status in TRAINABLE_STATUSES for e in episodes), dtype=bool, count=count)
+        counts.cut += int((lengths > rlen).sum())
+        counts.masked += int(count - trained.sum())
+        cuts = kept.tolist()
+        t = self.tensors
+        starts = plen - prompt_lengths
+        t["input_ids"].reshape(-1)[_positions(plen + rlen, at, starts, prompt_lengths)] = np.concatenate(
+            [e.prompt_ids for e in episodes]
+        )
+        sampled = _positions(rlen, at, np.zeros(count, dtype=np.int64), kept)
+        if sampled.size:
+            responses = np.concatenate([e.response_ids[:k] for e, k in zip(episodes, cuts, strict=True)])
+            t["input_ids"].reshape(-1)[_positions(plen + rlen, at, np.full(count, plen), kept)] = responses
+            t["responses"].reshape(-1)[sampled] = responses
+            t["rollout_log_probs"].reshape(-1)[sampled] = np.concatenate(
+                [e.rollout_logprobs[:k] for e, k in zip(episodes, cuts, strict=True)]
+            )
+            t["response_mask"].reshape(-1)[sampled] = np.concatenate([
+                e.loss_mask[:k] if trained_ else np.zeros(k, np.uint8)
+                for e, k, trained_ in zip(episodes, cuts, trained, strict=True)
+            ])  # fmt: skip
+        t["prompts"][at] = t["input_ids"][at, :plen]
+        # Attended: the left-padded prompt, then the response (one masked pad token if nothing was
+        # sampled, so that the row has a last token for its reward).
+        response_lengths = np.maximum(kept, 1)
+        t["rm_scores"][at, response_lengths - 1] = rewards
+        attended = prompt_lengths + response_lengths
+        t["attention_mask"].reshape(-1)[_positions(plen + rlen, at, starts, attended)] = 1
+        # verl's compute_position_id_with_mask (the attention mask's cumsum, from 0, clipped at 0) is,
+        # on such a row, the column less the prompt's padding, clipped to [0, attended - 1].
+        positions = np.subtract(np.arange(plen + rlen, dtype=np.int64), starts[:, None])
+        t["position_ids"][at] = np.clip(positions, 0, (attended - 1)[:, None], out=positions)
+        for row, episode in zip(rows, episodes, strict=True):
+            self.episodes[row] = episode
+
+    def arrays(self) -> VerlArrays:
+        if any(episode is None for episode in self.episodes):
+            raise RuntimeError("a verl row got no episode")
+        rows = [episode for episode in self.episodes if episode is not None]
+        if not self.tensors:
+            self._allocate()
+        rlen = self.shape.response_length
+        non_tensors = {
+            "__num_turns__": np.array([e.num_turns or 0 for e in rows], dtype=np.int32),
+            "multi_modal_inputs": _objects([{} for _ in rows]),
+            "episode_id": _objects([e.episode_id for e in rows]),
+            "episode_status": _objects([e.status for e in rows]),
+            "weight_versions": _objects([list(e.weight_versions) for e in rows]),
+            "response_cut": np.array([len(e.response_ids) > rlen for e in rows], dtype=bool),
+        }
+        return VerlArrays(self.tensors, non_tensors)
 
 
 def build_arrays(
     rows: Sequence[EpisodeArrays], rewards: Sequence[float], shape: VerlShape, counts: StepCounts
 ) -> VerlArrays:
-    """The tensors of verl's AgentLoopWorker._postprocess for these episodes, one row each, filled
-    batch-wide: a handful of numpy calls whatever the rows, each over the batch's tokens or its
-    dense tensors (rows x (prompt + response length), the cost that is left)."""
-    size, plen, rlen = len(rows), shape.prompt_length, shape.response_length
-    prompt_lengths = np.fromiter((len(e.prompt_ids) for e in rows), dtype=np.int64, count=size)
-    if size and prompt_lengths.max() > plen:
-        episode = rows[int(prompt_lengths.argmax())]
-        raise ValueError(
-            f"episode {episode.episode_id}'s prompt has {len(episode.prompt_ids)} tokens, more than "
-            f"actor_rollout_ref.rollout.prompt_length={plen}: raise it (verl never cuts a prompt)"
-        )
-    lengths = np.fromiter((len(e.response_ids) for e in rows), dtype=np.int64, count=size)
-    kept = np.minimum(lengths, rlen)
-    trained = np.fromiter((e.status in TRAINABLE_STATUSES for e in rows), dtype=bool, count=size)
-    counts.cut += int((lengths > rlen).sum())
-    counts.masked += int(size - trained.sum())
-    cuts = kept.tolist()
-
-    prompts = np.full((size, plen), shape.pad_token_id, dtype=np.int64)
-    _fill(prompts, _positions(plen, plen - prompt_lengths, prompt_lengths), [e.prompt_ids for e in rows])
-    sampled = _positions(rlen, np.zeros(size, dtype=np.int64), kept)
-    responses = np.full((size, rlen), shape.pad_token_id, dtype=np.int64)
-    _fill(responses, sampled, [e.response_ids[:k] for e, k in zip(rows, cuts, strict=True)])
-    logprobs = np.zeros((size, rlen), dtype=np.float32)
-    _fill(logprobs, sampled, [e.rollout_logprobs[:k] for e, k in zip(rows, cuts, strict=True)])
-    response_mask = np.zeros((size, rlen), dtype=np.int64)
-    masks = [
-        e.loss_mask[:k] if t else np.zeros(k, np.uint8) for e, k, t in zip(rows, cuts, trained, strict=True)
-    ]
-    _fill(response_mask, sampled, masks)
-    # Attended: the left-padded prompt, then the response (one masked pad token if nothing was
-    # sampled, so that the row has a last token for its reward).
-    response_lengths = np.maximum(kept, 1)
-    scores = np.zeros((size, rlen), dtype=np.float32)
-    scores[np.arange(size), response_lengths - 1] = rewards
-    input_ids = np.concatenate([prompts, responses], axis=1)
-    attended = prompt_lengths + response_lengths
-    attention = np.zeros((size, plen + rlen), dtype=np.int64)
-    attention.reshape(-1)[_positions(plen + rlen, plen - prompt_lengths, attended)] = 1
-    # verl's compute_position_id_with_mask (the attention mask's cumsum, from 0, clipped at 0) is,
-    # on such a row, the column less the prompt's padding, clipped to [0, attended - 1].
-    position_ids = np.subtract(np.arange(plen + rlen, dtype=np.int64), (plen - prompt_lengths)[:, None])
-    np.clip(position_ids, 0, (attended - 1)[:, None], out=position_ids)
-    tensors = {
-        "prompts": prompts,
-        "responses": responses,
-        "response_mask": response_mask,
-        "input_ids": input_ids,
-        "attention_mask": attention,
-        "position_ids": position_ids,
-        "rollout_log_probs": logprobs,
-        "rm_scores": scores,
-    }
-
-    def objects(values: list[Any]) -> npt.NDArray[Any]:
-        array = np.empty(len(values), dtype=object)
-        array[:] = values
-        return array
-
-    non_tensors = {
-        "__num_turns__": np.array([e.num_turns or 0 for e in rows], dtype=np.int32),
-        "multi_modal_inputs": objects([{} for _ in rows]),
-        "episode_id": objects([e.episode_id for e in rows]),
-        "episode_status": objects([e.status for e in rows]),
-        "weight_versions": objects([list(e.weight_versions) for e in rows]),
-        "response_cut": np.array([len(e.response_ids) > rlen for e in rows], dtype=bool),
-    }
-    return VerlArrays(tensors, non_tensors)
+    """The tensors of verl's AgentLoopWorker._postprocess for these episodes, one row each."""
+    filled = VerlRows(len(rows), shape)
+    filled.fill(range(len(rows)), rows, rewards, counts)
+    return filled.arrays()
 
 
 @cache
@@ -262,22 +301,26 @@ class RolloutServiceAgentLoopManager:
         runs = group_runs(list(non_tensors["uid"] if "uid" in non_tensors else non_tensors["index"]))
         tasks = [task_of_row(non_tensors, start) for start, _ in runs]
         counts = StepCounts()
-        rows: list[EpisodeArrays | None] = [None] * len(prompts)
-        rewards = [0.0] * len(prompts)
+        filled = VerlRows(len(prompts), self.shape)
+
+        def fill(groups: dict[int, list[EpisodeArrays]], *, chosen: list[int]) -> None:
+            rows: list[int] = []
+            episodes: list[EpisodeArrays] = []
+            rewards: list[float] = []
+            for group, group_episodes in groups.items():
+                start = runs[chosen[group]][0]
+                rows += range(start, start + len(group_episodes))
+                episodes += group_episodes
+                rewards += rewards_for_grpo(group_episodes)
+            filled.fill(rows, episodes, rewards, counts)
+
         with RolloutClient(self.service.url, self.service.api_key) as client:  # one pool per step
             # One service batch per group size: verl's validation pads its batch with copies of rows.
             for size in sorted({length for _, length in runs}):
                 chosen = [index for index, (_, length) in enumerate(runs) if length == size]
                 step_batch = self.step_batch(client, [tasks[index] for index in chosen], size, step, validate)
-                for index, episodes in zip(chosen, pull_step(client, step_batch, counts), strict=True):
-                    start = runs[index][0]
-                    for offset, (episode, reward) in enumerate(
-                        zip(episodes, rewards_for_grpo(episodes), strict=True)
-                    ):
-                        rows[start + offset], rewards[start + offset] = episode, reward
-        if any(row is None for row in rows):
-            raise RuntimeError("a verl row got no episode")
-        arrays = build_arrays([row for row in rows if row is not None], rewards, self.shape, counts)
+                pull_step(client, step_batch, counts, partial(fill, chosen=chosen))
+        arrays = filled.arrays()
         return DataProto.from_dict(
             tensors={name: self.tensor(array) for name, array in arrays.tensors.items()},
             non_tensors=arrays.non_tensors,

@@ -1,22 +1,26 @@
-"""verifiers environments through the service: the service's CPU per model call of verifiers'
-rollouts (each call through the episode's own OpenAI endpoint), against its own loop's CPU per
+"""verifiers environments through the service: the service's CPU per model call of agent-driven
+episodes (each call through the episode's own OpenAI endpoint), against its own loop's CPU per
 turn in the same run; and `GET /envs` with the verifiers envs listed, and what listing them adds
 to start-up.
 
 `python -m service serve` and `python -m service sim-worker --policy vf_policy:policy` each run in
 their own process; the service lists tests/verifiers_tasksets' two tasksets (ENV_PLUGINS). Phase 1
 (baseline): N episodes of builtin/shop run by the service's own loop. Phase 2: N episodes of the
-verifiers tasksets (single-turn and multi-turn with bash tools), each verifiers' own agent in an env
-worker calling the episode's endpoint. Service CPU is the serve process's own (the API, the worker,
-the agent endpoints): verifiers' harness programs and the env workers are reported apart.
+two tasksets (single-turn, and multi-turn with bash tools), each handed over to its driver in an
+env worker, which calls the episode's endpoint; the service finishes it. Service CPU is the serve
+process's own (the API, the worker, the agent endpoints): the env workers are reported apart.
 
-N is bounded by what verifiers' rollouts need here: each is a harness program (a Python process)
-in verifiers' subprocess runtime, and each holds an env-call thread (ENV_WORKERS x
-ENV_THREADS_PER_WORKER at once); 1,000 of them do not fit a 2-core machine.
+`--agent verifiers`: verifiers' own rollouts. Each is a harness program (a Python process) in
+verifiers' subprocess runtime, so a few dozen fit here, their phase lasts minutes, and the service's
+CPU at rest outweighs its CPU per call: the figure is noise. `--agent light` (the default, 1,000 in
+flight): tests/verifiers_tasksets/vf_wire.py's driver sends the requests verifiers' harnesses send
+(streamed chat completions with usage, the same messages and tools) without a harness program; the
+service's side (claim, hand-over, calls, finish) is the same. `--profile DIR` records each phase's
+service with py-spy (GIL holder, raw stacks).
 
 Run from the repo root in the verifiers virtualenv (`make test-verifiers` builds it):
-    PATH=.venv-verifiers/bin:$PATH .venv-verifiers/bin/python bench/verifiers_envs.py [--episodes 64]
-        [--database sqlite|postgres] [--latency 0.05]
+    PATH=.venv-verifiers/bin:$PATH .venv-verifiers/bin/python bench/verifiers_envs.py [--agent light]
+        [--episodes 1000] [--database sqlite|postgres] [--latency 0.05] [--profile DIR]
 The last line of output is one JSON object.
 """
 
@@ -24,13 +28,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +52,10 @@ import httpx  # noqa: E402
 from bench.common import cpu_seconds_of, fresh_database, percentiles_ms, stop, wait_healthy  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
+SHOP_TRAIN_TASKS = 200
+ENV_WORKERS = 2
+# The envs each agent plays: verifiers' own rollouts, or the light agent sending their requests.
+AGENTS = {"verifiers": "verifiers/", "light": "wire/"}
 GOAL = "verifiers' calls through the episode endpoint <= 1.5x the loop's CPU per turn; GET /envs < 50 ms"
 
 
@@ -87,8 +99,51 @@ async def run_batch(
     return episodes, time.perf_counter() - start
 
 
-async def measure(url: str, service_pid: int, episodes: int) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+@contextlib.contextmanager
+def profiled(pid: int, out: Path | None) -> Any:
+    """py-spy's raw stacks of process `pid` (the thread holding the GIL) into `out` while the block runs."""
+    if out is None:
+        yield
+        return
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        raise SystemExit("--profile needs py-spy on PATH")
+    command = [py_spy, "record", "--pid", str(pid), "--format", "raw", "--gil", "--rate", "200"]
+    recorder = subprocess.Popen(
+        [*command, "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        yield
+    finally:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait(60)
+
+
+def loop_bodies(episodes: int) -> list[dict[str, Any]]:
+    """About `episodes` of builtin/shop's train split (200 tasks), each task's samples a group."""
+    samples = -(-episodes // SHOP_TRAIN_TASKS)
+    tasks = list(range(-(-episodes // samples)))
+    return [{"env": "builtin/shop", "task_split": "train", "task_indices": tasks, "samples_per_task": samples,
+             "max_turns": 10}]  # fmt: skip
+
+
+def driven_bodies(prefix: str, episodes: int) -> list[dict[str, Any]]:
+    """Half single-turn (vf_arithmetic's 20 tasks), half multi-turn with tools (vf_files' 4)."""
+    half = episodes // 2
+    return [
+        {"env": f"{prefix}vf_arithmetic", "task_split": "train",
+         "task_indices": list(range(min(20, half or 1))), "samples_per_task": max(1, half // 20),
+         "max_turns": 4},
+        {"env": f"{prefix}vf_files", "task_split": "train", "task_indices": [0, 1, 2, 3],
+         "samples_per_task": max(1, (episodes - half) // 4), "max_turns": 6},
+    ]  # fmt: skip
+
+
+async def measure(
+    url: str, service_pid: int, episodes: int, agent: str, profile: Path | None = None
+) -> dict[str, Any]:
+    prefix = AGENTS[agent]
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         listing = []
         for _ in range(200):
             start = time.perf_counter()
@@ -98,10 +153,8 @@ async def measure(url: str, service_pid: int, episodes: int) -> dict[str, Any]:
         names = [env["name"] for env in answer.json()]
 
         # Warm both paths (verifiers builds its harness program's environment once).
-        await run_batch(http, [{"env": "verifiers/vf_arithmetic", "task_indices": [0], "max_turns": 4}])
-        await run_batch(
-            http, [{"env": "builtin/shop", "task_split": "train", "task_indices": [0], "max_turns": 4}]
-        )
+        await run_batch(http, driven_bodies(prefix, 2))
+        await run_batch(http, loop_bodies(1))
 
         # The service's CPU at rest (heartbeats, sweeps), taken out of both phases' figures.
         before, rest_start = cpu_seconds_of(service_pid), time.perf_counter()
@@ -109,25 +162,17 @@ async def measure(url: str, service_pid: int, episodes: int) -> dict[str, Any]:
         idle_rate = (cpu_seconds_of(service_pid) - before) / (time.perf_counter() - rest_start)
 
         before = cpu_seconds_of(service_pid)
-        loop_body = {"env": "builtin/shop", "task_split": "train", "max_turns": 10}
-        loop_episodes, loop_seconds = await run_batch(
-            http, [loop_body | {"task_indices": list(range(episodes)), "samples_per_task": 1}]
-        )
+        with profiled(service_pid, profile and profile / "loop.txt"):
+            loop_episodes, loop_seconds = await run_batch(http, loop_bodies(episodes))
         loop_cpu = cpu_seconds_of(service_pid) - before
-        loop_turns = sum(e["num_turns"] for e in loop_episodes)
+        loop_turns = sum(e["num_turns"] or 0 for e in loop_episodes)
 
         before, before_children = cpu_seconds_of(service_pid), descendants_cpu(service_pid)
-        half = episodes // 2
-        vf_bodies = [
-            {"env": "verifiers/vf_arithmetic", "task_indices": list(range(20))[: max(1, min(20, half))],
-             "samples_per_task": max(1, half // 20 or 1), "max_turns": 4},
-            {"env": "verifiers/vf_files", "task_split": "train", "task_indices": [0, 1, 2, 3],
-             "samples_per_task": max(1, (episodes - half) // 4), "max_turns": 6},
-        ]  # fmt: skip
-        vf_episodes, vf_seconds = await run_batch(http, vf_bodies)
+        with profiled(service_pid, profile and profile / f"{agent}.txt"):
+            vf_episodes, vf_seconds = await run_batch(http, driven_bodies(prefix, episodes))
         vf_cpu = cpu_seconds_of(service_pid) - before
         vf_children_cpu = descendants_cpu(service_pid) - before_children
-        vf_calls = sum(e["num_turns"] for e in vf_episodes)
+        vf_calls = sum(e["num_turns"] or 0 for e in vf_episodes)
     loop_per_turn = (loop_cpu - idle_rate * loop_seconds) / max(loop_turns, 1) * 1000
     vf_per_call = (vf_cpu - idle_rate * vf_seconds) / max(vf_calls, 1) * 1000
     return {
@@ -143,19 +188,25 @@ async def measure(url: str, service_pid: int, episodes: int) -> dict[str, Any]:
             "service_cpu_ms_per_turn": round(loop_per_turn, 3),  # at rest's share taken out
             "service_cpu_ms_per_turn_raw": round(loop_cpu / max(loop_turns, 1) * 1000, 3),
         },
-        "verifiers": {
+        "driven": {
+            "agent": agent,
             "episodes": len(vf_episodes),
             "model_calls": vf_calls,
+            "calls_per_episode": round(vf_calls / max(len(vf_episodes), 1), 2),
             "seconds": round(vf_seconds, 2),
             "statuses": {
                 s: sum(1 for e in vf_episodes if e["status"] == s) for s in {e["status"] for e in vf_episodes}
             },
             "rewards": sorted({e["reward"] for e in vf_episodes}, key=str),
+            "errors": dict(Counter((e.get("error") or "")[:120] for e in vf_episodes if e.get("error"))),
             "service_cpu_ms_per_call": round(vf_per_call, 3),  # at rest's share taken out
             "service_cpu_ms_per_call_raw": round(vf_cpu / max(vf_calls, 1) * 1000, 3),
             "env_workers_live_cpu_ms_per_call": round(vf_children_cpu / max(vf_calls, 1) * 1000, 3),
         },
         "ratio_call_to_loop_turn": round(vf_per_call / loop_per_turn, 3) if loop_per_turn else None,
+        "ratio_raw": round(vf_cpu / max(vf_calls, 1) / (loop_cpu / max(loop_turns, 1)), 3)
+        if loop_cpu
+        else None,
     }
 
 
@@ -191,10 +242,15 @@ def main() -> None:
         print(json.dumps({"goal": GOAL, "skipped": "verifiers is not installed: run it in .venv-verifiers"}))
         return
     parser = argparse.ArgumentParser()
-    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--agent", choices=sorted(AGENTS), default="light")
+    parser.add_argument(
+        "--episodes", type=int, default=None, help="in flight (default: light 1000, verifiers 32)"
+    )
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--latency", type=float, default=0.05)
+    parser.add_argument("--profile", type=Path, default=None, help="py-spy raw stacks of each phase into DIR")
     args = parser.parse_args()
+    episodes = args.episodes or (1000 if args.agent == "light" else 32)
     with (
         tempfile.TemporaryDirectory() as tmp_name,
         fresh_database(args.database, Path(tmp_name), migrate=True) as db,
@@ -215,17 +271,20 @@ def main() -> None:
             service_env = env | {
                 "DATABASE_URL": db,
                 "SGLANG_URL": f"http://127.0.0.1:{sim_port}",
-                "ENV_PLUGINS": "vf_plugins:env_specs",
+                "ENV_PLUGINS": "vf_plugins:env_specs,vf_wire:env_specs",
+                # Every driven episode of the phase holds an env-call thread while it plays.
+                "ENV_THREADS_PER_WORKER": str(episodes // ENV_WORKERS + 8),
+                "ENV_WORKERS": str(ENV_WORKERS),
                 "SERVICE_URL": url,
             }
             service = spawn(["serve", "--port", str(port)], service_env, tmp / "service.log")
             wait_healthy(url, service, tmp / "service.log")
-            result = asyncio.run(measure(url, service.pid, args.episodes))
+            result = asyncio.run(measure(url, service.pid, episodes, args.agent, args.profile))
         finally:
             if service is not None:
                 stop(service)
             stop(sim)
-    result = {"goal": GOAL, "database": args.database, "in_flight": args.episodes, **result,
+    result = {"goal": GOAL, "database": args.database, "in_flight": episodes, **result,
               "startup": startup_cost()}  # fmt: skip
     print(json.dumps(result))
 

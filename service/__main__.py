@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         workers = settings.serve_workers if args.workers is None else args.workers
         api_processes = settings.serve_api_processes if args.api_processes is None else args.api_processes
-        from service.sockets import listen
+        from service.sockets import listen, own_url
         from service.supervisor import Supervisor
 
         try:
@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        if settings.service_url is None:  # agent-driven envs call this very port
+            settings = settings.model_copy(update={"service_url": own_url(sock)})
         with sock:
             if workers == 1 and api_processes == 0:
                 from service.serving import run_service

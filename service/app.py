@@ -65,19 +65,21 @@ async def lifespan(
         pause = EnginePause(settings.max_pause_seconds, engine.resume, database)
         await resources.enter_async_context(aclosing(pause))
         tokenizers = await Tokenizers.load(settings, now=settings.run_worker)
+
+        async def agent_turns() -> AgentTurns:
+            chat = await tokenizers.chat.get()
+            parser = get_parser(tokenizers.call_format)
+            return AgentTurns(engine, chat, parser, max_turn_resumes=settings.max_turn_resumes)
+
+        agents = AgentSessions(database, Lazy(agent_turns).get, idle_seconds=settings.external_idle_seconds)
         worker = None
         envs = with_loaders(available_envs(), settings.env_plugin_list)
         remote = parse_remote_envs(settings.remote_envs)
         envs |= {config.name: env_spec(config) for config in remote}
         if settings.run_worker:
             worker = await resources.enter_async_context(
-                episode_worker(settings, database, engine, tokenizers, endings, envs, remote, metrics)
+                episode_worker(settings, database, engine, tokenizers, endings, agents, envs, remote, metrics)
             )
-
-        async def agent_turns() -> AgentTurns:
-            chat = await tokenizers.chat.get()
-            parser = get_parser(tokenizers.call_format)
-            return AgentTurns(engine, chat, parser, max_turn_resumes=settings.max_turn_resumes)
 
         services = Services(
             settings=settings,
@@ -92,9 +94,7 @@ async def lifespan(
             worker=worker,
             tool_call_format=tokenizers.call_format,
             token_texts=TokenTexts(tokenizers.tokenizer.get),
-            agents=AgentSessions(
-                database, Lazy(agent_turns).get, idle_seconds=settings.external_idle_seconds
-            ),
+            agents=agents,
         )
         if settings.tune_gc:
             tune_garbage_collector()

@@ -402,10 +402,12 @@ class Settings(BaseSettings):
         description="An external agent's episode (env `external`) with no call for this long ends "
         "`failed` (timed out).",
     )
-    service_url: str = Field(
-        default="http://127.0.0.1:8000",
+    service_url: str | None = Field(
+        default=None,
         description="Where this service's episode endpoints are reached from its own env workers: "
-        "agent-driven envs (verifiers') call the model at <SERVICE_URL>/v1/episodes/{id}.",
+        "agent-driven envs (verifiers') call the model at <SERVICE_URL>/v1/episodes/{id}. Unset, "
+        "`serve` uses the address it listens on (127.0.0.1 for every IPv4 interface, [::1] for every "
+        "IPv6 one).",
     )
 
     user_sim: UserSimConfig = Field(

@@ -5,13 +5,16 @@ the episode worker; and the tokenizers, loaded now where episodes run, else on f
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
+from service.agents.errors import EpisodeClosed
+from service.agents.service import AgentSessions
 from service.config import Settings
 from service.engine.client import AbortQuiet, SGLangClient, make_control_client
 from service.engine.model_info import ModelInfoCache
@@ -27,6 +30,7 @@ from service.loop.runner import EpisodeRunner
 from service.loop.tokens import ChatTokenizer, HFTokenizer
 from service.loop.toolcalls import AUTO, format_of_template, get_parser
 from service.metrics import Metrics
+from service.records import EpisodeStatus
 from service.shared import Lazy
 from service.storage.db import Database
 from service.worker.endings import Endings, ResultsSignal
@@ -150,6 +154,23 @@ async def group_log(database: Database, metrics: Metrics, results: ResultsSignal
         await log.stop()
 
 
+async def finish_driven(
+    agents: AgentSessions,
+    endings: Endings,
+    episode_id: str,
+    status: EpisodeStatus,
+    reward: float | None,
+    info: dict[str, Any],
+    error: str | None,
+) -> None:
+    """An agent-driven env's episode ended by its driver, as its endpoint's `/finish` ends one."""
+    try:
+        group, ended = await agents.finish(episode_id, status, reward, info, error)
+    except EpisodeClosed:
+        return  # cancelled, or past its idle deadline, meanwhile
+    endings.agent_finished(group, ended)
+
+
 @asynccontextmanager
 async def episode_worker(
     settings: Settings,
@@ -157,6 +178,7 @@ async def episode_worker(
     engine: SGLangClient,
     tokenizers: Tokenizers,
     endings: Endings,
+    agents: AgentSessions,
     envs: dict[str, EnvSpec],
     remote: list[RemoteEnvConfig] | None = None,
     metrics: Metrics | None = None,
@@ -186,6 +208,7 @@ async def episode_worker(
             database,
             service_url=lambda: settings.service_url,
             idle_seconds=settings.external_idle_seconds,
+            finish=functools.partial(finish_driven, agents, endings),
         )
         worker = EpisodeWorker(
             settings, database, driving, on_finished=endings.result_stored, engine_status=engine.status
@@ -196,7 +219,6 @@ async def episode_worker(
             yield worker
         finally:
             await worker.stop()
-            await driving.close()
     finally:
         await remote_envs.close()
         await env_host.close()

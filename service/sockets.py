@@ -16,3 +16,11 @@ def listen(host: str, port: int) -> socket.socket:
     sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
+
+
+def own_url(sock: socket.socket) -> str:
+    """The base URL this host's processes reach a listening socket at (loopback for a wildcard)."""
+    host, port = sock.getsockname()[:2]
+    if sock.family == socket.AF_INET6:
+        return f"http://[{'::1' if host == '::' else host}]:{port}"
+    return f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"

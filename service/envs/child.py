@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from service.envs.base import Action, DriveOutcome, DriveRequest, Environment, Reset, Step, UserSimConfig
-from service.envs.checks import check_reset, check_step, check_tools
+from service.envs.checks import EnvProtocolError, check_reset, check_step, check_tools, json_problem
 from service.envs.errors import EnvError
 
 T = TypeVar("T")
@@ -141,6 +141,9 @@ def drive_env(driver: Callable[[DriveRequest], DriveOutcome], request: DriveRequ
     outcome = _guarded(driver, request)
     if not isinstance(outcome, DriveOutcome):
         raise EnvError(f"the driver answered {type(outcome).__name__}, not a DriveOutcome")
+    # Checked here, as a step's info is: what cannot be stored fails the episode, saying why.
+    if (problem := json_problem(outcome.info, "the driver's info")) is not None:
+        raise EnvError.from_exception(EnvProtocolError(problem))
     return outcome
 
 

@@ -5,8 +5,9 @@ The worker claims such an episode as any other; this runner then hands it over t
 of its own, its idle deadline as its lease: service/storage/driven.py) and has the env's driver
 play it in an env worker against the episode's own OpenAI endpoint (service/agents): every model
 call is recorded there with exact tokens, resumed across weight updates and bounded by the
-episode's limits. It finishes the episode through that endpoint's `/finish` with the driver's
-reward and info, or its error (never a reward of 0). Other envs run the service's own loop.
+episode's limits. It finishes the episode as that endpoint's `/finish` does, in this process (no
+HTTP round trip to itself), with the driver's reward and info, or its error (never a reward of 0).
+Other envs run the service's own loop.
 """
 
 from __future__ import annotations
@@ -16,17 +17,22 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import httpx
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay
 
 from service.envs.base import DriveOutcome, DriveRequest
 from service.envs.errors import EnvError, EnvWorkerCrashed
-from service.records import DEADLINE_NOTE, EpisodeResult, EpisodeSpec
+from service.records import DEADLINE_NOTE, EpisodeResult, EpisodeSpec, EpisodeStatus
+from service.retries import backoff
 from service.storage.db import Database
 from service.storage.driven import hand_to_agent
+from service.storage.errors import is_refused, is_transient
 
 logger = logging.getLogger(__name__)
 
-FINISH_TIMEOUT_SECONDS = 30.0
+FINISH_BACKOFF_SECONDS = 0.2  # first delay between tries of a driven episode's finish; doubles, jittered
+FINISH_BACKOFF_MAX_SECONDS = 2.0
+FINISH_RETRY_SECONDS = 300.0  # tries for this long
+NO_SERVICE_URL = "SERVICE_URL is not set: the driver has no endpoint to call the model at"
 
 
 class Runner(Protocol):
@@ -43,6 +49,18 @@ class Drivers(Protocol):
     async def drive(self, env_name: str, request: DriveRequest) -> DriveOutcome: ...
 
 
+class Finish(Protocol):
+    async def __call__(
+        self,
+        episode_id: str,
+        status: EpisodeStatus,
+        reward: float | None,
+        info: dict[str, Any],
+        error: str | None,
+    ) -> None:
+        """Ends a handed-over episode as its agent's `/finish` does (nothing if it ended already)."""
+
+
 class DrivingRunner:
     """`inner` for every env but agent-driven ones, which it hands over to their driver: `run`
     answers None for those (the worker stores nothing; the episode's endpoint has it)."""
@@ -53,15 +71,16 @@ class DrivingRunner:
         drivers: Drivers,
         database: Database,
         *,
-        service_url: Callable[[], str],
+        service_url: Callable[[], str | None],
         idle_seconds: float,
+        finish: Finish,
     ) -> None:
         self.inner = inner
         self.drivers = drivers
         self.database = database
         self.service_url = service_url  # SERVICE_URL, read at each handover
         self.idle_seconds = idle_seconds
-        self._http: httpx.AsyncClient | None = None
+        self.finish = finish
         # Told the episode's id once it is handed over: the worker no longer holds its lease.
         self.on_handover: Callable[[str], None] = lambda episode_id: None
 
@@ -81,9 +100,12 @@ class DrivingRunner:
         if token is None:
             return None  # cancelled, or no longer this attempt's: nothing to do
         self.on_handover(spec.episode_id)
-        base_url = f"{self.service_url().rstrip('/')}/v1/episodes/{spec.episode_id}"
+        service_url = self.service_url()
+        if service_url is None:
+            await self._finish(spec.episode_id, DriveOutcome(None, error=NO_SERVICE_URL, env_error=False))
+            return None
         drive = DriveRequest(
-            base_url=base_url,
+            base_url=f"{service_url.rstrip('/')}/v1/episodes/{spec.episode_id}",
             api_key=token,
             task_split=request.task_split,
             task_index=request.task_index,
@@ -102,33 +124,45 @@ class DrivingRunner:
         except EnvError as error:
             failure = f"env driver failed: {error}"
             outcome = DriveOutcome(None, error=failure, env_error=not error.infrastructure)
-        await self._finish(base_url, token, outcome)
+        await self._finish(spec.episode_id, outcome)
         return None
 
-    async def _finish(self, base_url: str, token: str, outcome: DriveOutcome) -> None:
+    async def _finish(self, episode_id: str, outcome: DriveOutcome) -> None:
         if outcome.truncated:
-            status = "truncated"
+            status = EpisodeStatus.TRUNCATED
         elif outcome.error is None:
-            status = "completed"
+            status = EpisodeStatus.COMPLETED
         else:
-            status = "aborted" if outcome.env_error else "failed"
-        body: dict[str, Any] = {"status": status, "reward": outcome.reward, "info": outcome.info}
-        if outcome.error is not None:
-            body["error"] = outcome.error[:10_000]
-            body["reward"] = None
-        if self._http is None:
-            self._http = httpx.AsyncClient(timeout=FINISH_TIMEOUT_SECONDS)
+            status = EpisodeStatus.ABORTED if outcome.env_error else EpisodeStatus.FAILED
+        reward = outcome.reward if outcome.error is None else None
+        error = None if outcome.error is None else outcome.error[:10_000]
         try:
-            answer = await self._http.post(
-                f"{base_url}/finish", json=body, headers={"Authorization": f"Bearer {token}"}
-            )
-        except httpx.HTTPError as error:
-            # The episode then fails at its idle deadline (EXTERNAL_IDLE_SECONDS), never rewarded.
-            logger.error("finishing driven episode at %s failed: %r", base_url, error)
-            return
-        if answer.status_code != 200 and answer.status_code != 409:  # 409: it ended already (cancelled)
-            logger.error("finishing driven episode at %s: %d %s", base_url, answer.status_code, answer.text)
+            await self._finish_with_retries(episode_id, status, reward, outcome.info, error)
+        except Exception as failure:
+            if not is_refused(failure):
+                raise
+            # What the driver said cannot be stored (checked in the env worker; this is the rest):
+            # the episode fails saying so, never rewarded.
+            logger.error("driven episode %s: its ending cannot be stored: %s", episode_id, failure)
+            refused = f"the driver's ending could not be stored: {failure}"[:2000]
+            await self._finish_with_retries(episode_id, EpisodeStatus.FAILED, None, {}, refused)
 
-    async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
+    async def _finish_with_retries(
+        self,
+        episode_id: str,
+        status: EpisodeStatus,
+        reward: float | None,
+        info: dict[str, Any],
+        error: str | None,
+    ) -> None:
+        """Through a database outage, as the worker holds a result (past FINISH_RETRY_SECONDS the
+        episode fails at its idle deadline, EXTERNAL_IDLE_SECONDS, never rewarded)."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(is_transient),
+            wait=backoff(FINISH_BACKOFF_SECONDS, FINISH_BACKOFF_MAX_SECONDS),
+            stop=stop_after_delay(FINISH_RETRY_SECONDS),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                await self.finish(episode_id, status, reward, info, error)

@@ -1,7 +1,8 @@
 """Agent-driven envs' episodes (EnvSpec.driver, e.g. verifiers'): a worker that claimed one hands it
 over to its driver as an external agent's episode (service/storage/agents.py): a token of its own,
 the owner EXTERNAL_OWNER, and its idle deadline as its lease. The driver then plays it through the
-episode's own OpenAI endpoint and finishes it there, as any external agent does."""
+episode's own OpenAI endpoint; the service ends it as that endpoint's `/finish` does
+(service/loop/driven.py)."""
 
 from __future__ import annotations
 

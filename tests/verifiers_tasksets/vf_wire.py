@@ -43,6 +43,7 @@ TASKSETS = {
     "wire/vf_files": (VerifiersEnv("vf_files", harness="bash"), True),
 }
 _HTTP: dict[int, httpx.AsyncClient] = {}  # one client per rollout loop
+RETRIES = 2  # the openai SDK's default max_retries
 
 
 def env_specs() -> list[EnvSpec]:
@@ -93,7 +94,20 @@ async def _play(name: str, request: DriveRequest) -> DriveOutcome:
 
 
 async def _streamed(http: httpx.AsyncClient, request: DriveRequest, body: dict[str, Any]) -> dict[str, Any]:
-    """One streamed chat completion, read to its end: the assistant message it streamed."""
+    """One streamed chat completion, read to its end: the assistant message it streamed. A pooled
+    connection the server closed meanwhile (its keep-alive ran out) is tried again, as the openai
+    SDK's retries do."""
+    for _ in range(RETRIES):
+        try:
+            return await _stream_once(http, request, body)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            continue
+    return await _stream_once(http, request, body)
+
+
+async def _stream_once(
+    http: httpx.AsyncClient, request: DriveRequest, body: dict[str, Any]
+) -> dict[str, Any]:
     content, calls = "", []
     headers = {"Authorization": f"Bearer {request.api_key}"}
     async with http.stream(

@@ -128,6 +128,7 @@ class TurnRecord:
     def __post_init__(self) -> None:
         if self.actions is None:  # stored before every record had its list
             self.actions = [] if self.action is None else [self.action]
+
     # The distribution this call's logprobs come from, as the engine reported it: "processed" (the
     # one sampled from, after temperature, penalties, top-k/top-p: what an importance ratio needs)
     # or "raw" (the model's, before them); None: unknown (an engine or a row that did not say).

@@ -260,6 +260,8 @@ def test_parse_logprobs_with_and_without_the_stop_token() -> None:
     assert (without_stop.output_ids, without_stop.logprobs) == ([10], [-0.5])
     assert without_stop.prompt_tokens is None
     assert without_stop.cached_tokens is None
+    whole = parse_generation(response_body({"output_token_logprobs": [[0, 10, None], [-1, 2, None]]}))
+    assert whole.logprobs == [0.0, -1.0] and all(type(value) is float for value in whole.logprobs)
 
 
 def test_parse_prefers_logprob_ids_and_warns_on_disagreement(caplog: pytest.LogCaptureFixture) -> None:
@@ -299,6 +301,9 @@ def test_parse_ignores_unknown_keys_and_maps_unknown_finish_types() -> None:
         response_body({"output_token_logprobs": [[-0.1]]}),
         response_body({"output_token_logprobs": [[None, 1, None]]}),
         response_body({"output_token_logprobs": [[-0.1, "1", None]]}),
+        response_body({"output_token_logprobs": [[-0.1, True, None]]}),
+        response_body({"output_token_logprobs": [[False, 1, None]]}),
+        response_body({"output_token_logprobs": [[-0.1, 1, None], "nope"]}),
         response_body({"output_token_logprobs": "nope"}),
         response_body({}, output_ids=[1, 2.5]),
     ],

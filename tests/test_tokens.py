@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -81,9 +82,24 @@ def test_a_learned_message_text_gives_the_ids_of_a_full_render(variant: str) -> 
         {"role": "user", "content": "  spaced  "},
         {"role": "tool", "name": "get_order", "content": ""},
     ]
-    for message in messages:
-        assert chat.message_ids(message) == chat.encode(chat._message_text([message]))
+    for _ in range(2):  # encoded, then from the cache: the same ids
+        for message in messages:
+            assert chat.message_ids(message) == chat.encode(chat._message_text([message]))
     assert chat._message_texts[("user", None)] is not None  # learned, then reused
+    cached = chat.message_ids(messages[1])
+    cached.append(0)  # a caller's list is its own
+    assert chat.message_ids(messages[1]) == cached[:-1]
+
+
+def test_a_groups_samples_share_their_prompt_and_its_engine_json() -> None:
+    chat = chat_tokenizer()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    first, second = chat.prompt("Be brief.", tools, "Hi"), chat.prompt("Be brief.", tools, "Hi")
+    assert first.prompt_ids == second.prompt_ids == chat.prompt_ids("Be brief.", tools, "Hi")
+    assert first.prompt_ids is not second.prompt_ids  # each episode grows its own
+    second.add_sampled([5, 6], [-0.5, -0.25])
+    assert json.loads(second.input_ids_json()) == [*first.prompt_ids, 5, 6]
+    assert json.loads(first.input_ids_json()) == first.prompt_ids
 
 
 def test_a_template_that_trims_contents_is_rendered_in_full() -> None:

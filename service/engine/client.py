@@ -217,12 +217,7 @@ def parse_generation(body: Any, logprobs_mode: str | None = None) -> Generation:
     token_logprobs = meta.get("output_token_logprobs")
     if token_logprobs is not None:
         # slime's reading: [logprob, token_id, text_or_null] per output token.
-        items = _list(token_logprobs, "output_token_logprobs")
-        pairs = [_list(item, "output_token_logprobs item") for item in items]
-        if any(len(pair) < 2 for pair in pairs):
-            raise EngineResponseError("an output_token_logprobs item has fewer than 2 fields")
-        logprob_ids = [_token_id(pair[1]) for pair in pairs]
-        logprobs = [_logprob(pair[0]) for pair in pairs]
+        logprob_ids, logprobs = _token_logprobs(_list(token_logprobs, "output_token_logprobs"))
         if output_ids is not None and output_ids != logprob_ids:
             logger.warning(
                 "output_ids (%d) disagree with output_token_logprobs (%d) of %s; using the latter",
@@ -257,6 +252,21 @@ def parse_generation(body: Any, logprobs_mode: str | None = None) -> Generation:
         has_logprobs=token_logprobs is not None,
         logprobs_mode=logprobs_mode,
     )
+
+
+def _token_logprobs(items: list[Any]) -> tuple[list[int], list[float]]:
+    """The ids and logprobs of output_token_logprobs items. Hand-written hot path: every call's
+    every token; checking the exact types of the whole lists at once (what orjson makes of JSON
+    ints and floats) is a third of the per-token function calls, which remain for the rest."""
+    if all(type(item) is list and len(item) >= 2 for item in items):
+        ids = [item[1] for item in items]
+        logprobs = [item[0] for item in items]
+        if all(type(token) is int for token in ids) and all(type(value) is float for value in logprobs):
+            return ids, logprobs
+    pairs = [_list(item, "output_token_logprobs item") for item in items]
+    if any(len(pair) < 2 for pair in pairs):
+        raise EngineResponseError("an output_token_logprobs item has fewer than 2 fields")
+    return [_token_id(pair[1]) for pair in pairs], [_logprob(pair[0]) for pair in pairs]
 
 
 def _list(value: Any, what: str) -> list[Any]:

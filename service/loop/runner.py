@@ -135,9 +135,7 @@ class EpisodeRunner:
             *reset.transcript,  # the env's own turn before the first observation: never prompted
             {"role": "user", "content": reset.observation},
         ]
-        episode.trajectory = Trajectory(
-            self.chat.prompt_ids(session.system_prompt, session.tools, reset.observation)
-        )
+        episode.trajectory = self.chat.prompt(session.system_prompt, session.tools, reset.observation)
         episode.phase = "step"
         for turn in range(request.max_turns):
             status = await self._turn(episode, session, turn)

@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 PROBE_PREFIX = [{"role": "system", "content": "PROBE_SYSTEM"}, {"role": "user", "content": "PROBE_USER"}]
 PROBE_ASSISTANT = {"role": "assistant", "content": "PROBE_ASSISTANT"}
 PROMPT_CACHE_SIZE = 4096  # prompts kept: a batch's tasks (each a GRPO group), with room to spare
+# Env replies kept as ids (see message_ids): a group's samples often get the same tool results.
+MESSAGE_CACHE_SIZE = 8192
+MESSAGE_CACHE_MAX_CHARS = 4096  # longer contents are encoded each time (bounds the cache's memory)
 # Stands in for a message's content when its template text is learned (see message_ids).
 CONTENT_SLOT = "PROBE_CONTENT_SLOT"
 # Contents a learned template text must render exactly as the template does, or it is not used.
@@ -175,6 +178,8 @@ class ChatTokenizer:
         # not render the content verbatim (it trims or escapes it): see message_ids.
         self._message_texts: dict[tuple[str, str | None], tuple[str, str] | None] = {}
         self._prompts: dict[tuple[str, str, str], list[int]] = {}  # see prompt_ids
+        self._prompt_encodings: dict[tuple[str, str, str], EncodedIds] = {}  # see prompt
+        self._message_ids: dict[tuple[str, str | None, str], list[int]] = {}  # see message_ids
         # Only what follows the assistant's content is taken from the template: thinking templates
         # (Qwen3) render the text before it differently once later messages exist, but never
         # the text after it, and the model has already seen and sampled everything before it.
@@ -246,6 +251,11 @@ class ChatTokenizer:
         """P: system prompt with the tools, the first user message, the first generation header.
 
         The samples of a GRPO group share their prompt: it is rendered and encoded once."""
+        return self.prompt(system_prompt, tools, first_message).prompt_ids
+
+    def prompt(self, system_prompt: str, tools: list[dict[str, Any]], first_message: str) -> Trajectory:
+        """A new trajectory of P (prompt_ids), with P's engine JSON already encoded: a group's
+        samples share it (encoding a tool-laden prompt's ids was an episode's dearest turn)."""
         # orjson: json.dumps of a tau-bench-sized tool list was 1% of the CPU at 2,000 in flight.
         key = (system_prompt, orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode(), first_message)
         ids = self._prompts.get(key)
@@ -258,8 +268,17 @@ class ChatTokenizer:
                 self.render(messages, tools=tools, add_generation_prompt=True)
             )
             while len(self._prompts) > PROMPT_CACHE_SIZE:
-                del self._prompts[next(iter(self._prompts))]  # the oldest
-        return list(ids)
+                oldest = next(iter(self._prompts))
+                del self._prompts[oldest]
+                self._prompt_encodings.pop(oldest, None)
+        trajectory = Trajectory(list(ids))
+        encoded = self._prompt_encodings.get(key)
+        if encoded is None:
+            trajectory.input_ids_json()
+            self._prompt_encodings[key] = trajectory.encoded()
+        else:
+            trajectory.continue_encoding(encoded)
+        return trajectory
 
     def conversation_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -310,7 +329,17 @@ class ChatTokenizer:
                 self._message_texts[key] = self._learn_message_text(message)
             around = self._message_texts[key]
             if around is not None:
-                return self.encode(around[0] + content + around[1])
+                if len(content) > MESSAGE_CACHE_MAX_CHARS:
+                    return self.encode(around[0] + content + around[1])
+                # Hand-written cache on the hot path: encoding env replies was 8-10% of the
+                # event loop at 2,000 in flight, and a group's samples often get the same ones.
+                cached = (*key, content)
+                ids = self._message_ids.get(cached)
+                if ids is None:
+                    ids = self._message_ids[cached] = self.encode(around[0] + content + around[1])
+                    if len(self._message_ids) > MESSAGE_CACHE_SIZE:
+                        del self._message_ids[next(iter(self._message_ids))]  # the oldest
+                return list(ids)
         return self.encode(self._message_text([message]))
 
     def messages_ids(self, messages: list[dict[str, Any]]) -> list[int]:

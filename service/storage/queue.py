@@ -238,10 +238,7 @@ async def finish_episode(
     values = {f"result_{name}": value for name, value in _result_columns(result).items()}
     params = {"episode": episode_id, "owner": worker_id, "fence": attempt, "now": now or utcnow()}
     async with sm.begin() as session:
-        # On the session's connection, not through the ORM: a Core statement, and the ORM's
-        # execution path was a fifth of this write's CPU.
-        connection = await session.connection()
-        stored = await connection.execute(_FINISH, params | values)
+        stored = await session.execute(_FINISH, params | values)
         return stored.first() is not None
 
 

@@ -47,7 +47,8 @@ demo-vllm: $(STAMP)
 # on SQLite and on the local PostgreSQL (started if it is installed but down) with the viewer's
 # browser tests in Debian's Chromium (installed if missing, as root) and the real-engine tests against
 # vLLM on the CPU (scripts/ensure_vllm.sh: a virtualenv and a tiny model cached under ~/.cache, built
-# once). Where one cannot be had, its tests are skipped with that reason, except on CI.
+# once), the NeMo Gym tests against nemo-gym's servers (scripts/ensure_nemo_gym.sh: a virtualenv cached
+# the same way). Where one cannot be had, its tests are skipped with that reason, except on CI.
 # The verifiers suite runs beside the main one (its own virtualenv), its output in
 # test-artifacts/test-verifiers.log, shown when it fails.
 test: lint
@@ -73,6 +74,8 @@ pytest: $(STAMP)
 	if [ $$vllm -ne 0 ] && [ $$vllm -ne 3 ]; then exit $$vllm; fi; \
 	scripts/ensure_pgbouncer.sh; pgbouncer=$$?; \
 	if [ $$pgbouncer -ne 0 ] && [ $$pgbouncer -ne 3 ]; then exit $$pgbouncer; fi; \
+	scripts/ensure_nemo_gym.sh >/dev/null; nemo_gym=$$?; \
+	if [ $$nemo_gym -ne 0 ] && [ $$nemo_gym -ne 3 ]; then exit $$nemo_gym; fi; \
 	ROLLOUT_SKIP_POSTGRES=$$([ $$postgres -eq 3 ] && echo 1) ROLLOUT_SKIP_BROWSER=$$([ $$chromium -eq 3 ] && echo 1) \
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist=loadgroup --reruns $(PYTEST_RERUNS) -rR $(PYTEST_ARGS)
 

@@ -352,8 +352,8 @@ class Settings(BaseSettings):
     # Environments on servers of their own (service/envs/remote/, docs/remote-envs.md).
     remote_envs: str = Field(
         default="",
-        description="Remote environments (OpenEnv servers, MCP tool servers): a JSON list of "
-        "{name, protocol, urls, splits, ...}, or the path of a JSON or YAML file holding one.",
+        description="Remote environments (OpenEnv servers, MCP tool servers, NeMo Gym resource servers): "
+        "a JSON list of {name, protocol, urls, splits, ...}, or the path of a JSON or YAML file holding one.",
     )
 
     @property

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from service.sim.worker import SimWorker
+from tests.support.cached_venv import ensure_cached_venv
 from tests.support.trainer_service import stored_episodes
 
 pytest_plugins = ("tests.support.trainer_fixtures",)
@@ -31,17 +32,7 @@ GENERATIONS = 4
 
 def ensure_trl() -> tuple[str, str]:
     """(the TRL venv's python, the model directory); skips where TRL cannot be had (not on CI)."""
-    done = subprocess.run(
-        [str(ROOT / "scripts" / "ensure_trl.sh")],
-        capture_output=True,
-        text=True,
-        timeout=ENSURE_TIMEOUT_SECONDS,
-        check=False,
-    )
-    if done.returncode == 3:
-        pytest.skip(f"real TRL unavailable: {done.stderr.strip().splitlines()[-1]}")
-    assert done.returncode == 0, f"scripts/ensure_trl.sh failed ({done.returncode}):\n{done.stderr[-4000:]}"
-    values = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    values = ensure_cached_venv("ensure_trl.sh", "real TRL", ENSURE_TIMEOUT_SECONDS)
     return values["python"], values["model"]
 
 

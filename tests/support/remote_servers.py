@@ -1,6 +1,7 @@
 """Real env servers in child processes, for the remote-env tests and bench: the example OpenEnv
-server (examples/openenv_counter/server.py) or the MCP server of tests/support/mcp_server.py,
-started on free ports, waited for, killed at the end."""
+server (examples/openenv_counter/server.py), the MCP server of tests/support/mcp_server.py or the
+NeMo Gym resource server of tests/support/nemo_gym_server.py, started on free ports, waited for,
+killed at the end."""
 
 from __future__ import annotations
 
@@ -38,41 +39,51 @@ class EnvServer:
         self.process.wait(10)
 
 
-def start_server(
-    max_sessions: int = 64, command: tuple[str, ...] = tuple(OPENENV_SERVER), health: str = "/health"
+def launch_server(
+    max_sessions: int | None = 64, command: tuple[str, ...] = tuple(OPENENV_SERVER)
 ) -> EnvServer:
-    """The server `command` runs, on a free port, once `health` answers (any HTTP status)."""
+    """The server `command` runs on a free port (with `--max-sessions` unless None), started."""
     port = free_port()
+    cap = [] if max_sessions is None else ["--max-sessions", str(max_sessions)]
     process = subprocess.Popen(
-        [*command, "--port", str(port), "--max-sessions", str(max_sessions)],
+        [*command, "--port", str(port), *cap],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    url = f"http://127.0.0.1:{port}"
+    return EnvServer(f"http://127.0.0.1:{port}", process)
+
+
+def wait_listening(server: EnvServer, health: str = "/health") -> None:
+    """Returns once `health` answers (any HTTP status); kills the server if it does not in time."""
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{command} exited with {process.returncode} before it listened")
+        if server.process.poll() is not None:
+            raise RuntimeError(
+                f"{server.process.args} exited with {server.process.returncode} before it listened"
+            )
         try:
-            httpx.get(f"{url}{health}", timeout=1)
-            return EnvServer(url, process)
+            httpx.get(f"{server.url}{health}", timeout=1)
+            return
         except httpx.HTTPError:
             time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"{command} did not answer /health within {START_TIMEOUT_SECONDS:g} s")
+    server.kill()
+    raise RuntimeError(f"{server.process.args} did not answer {health} within {START_TIMEOUT_SECONDS:g} s")
 
 
 @contextmanager
 def env_servers(
     count: int,
-    max_sessions: int = 64,
+    max_sessions: int | None = 64,
     command: tuple[str, ...] = tuple(OPENENV_SERVER),
     health: str = "/health",
 ) -> Iterator[list[EnvServer]]:
+    """`count` servers, started side by side (each imports its libraries at once), once all listen."""
     servers: list[EnvServer] = []
     try:
         for _ in range(count):
-            servers.append(start_server(max_sessions, command, health))
+            servers.append(launch_server(max_sessions, command))
+        for server in servers:
+            wait_listening(server, health)
         yield servers
     finally:
         for server in servers:

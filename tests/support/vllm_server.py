@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
 
+from tests.support.cached_venv import ensure_cached_venv
 from tests.support.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 300.0  # seen here: 26 s on an idle machine, about a minute under load
 ENSURE_TIMEOUT_SECONDS = 1800.0  # a first build downloads about 1 GB
 KV_CACHE_GIB = 1
@@ -39,17 +38,7 @@ class VLLMServer:
 def ensure_vllm() -> tuple[str, str]:
     """(the vLLM venv's python, the model directory) from scripts/ensure_vllm.sh; skips the test
     with its reason where vLLM cannot be had here, and fails instead on CI."""
-    done = subprocess.run(
-        [str(ROOT / "scripts" / "ensure_vllm.sh")],
-        capture_output=True,
-        text=True,
-        timeout=ENSURE_TIMEOUT_SECONDS,
-        check=False,
-    )
-    if done.returncode == 3:
-        pytest.skip(f"real vLLM unavailable: {done.stderr.strip().splitlines()[-1]}")
-    assert done.returncode == 0, f"scripts/ensure_vllm.sh failed ({done.returncode}):\n{done.stderr[-4000:]}"
-    values = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    values = ensure_cached_venv("ensure_vllm.sh", "real vLLM", ENSURE_TIMEOUT_SECONDS)
     return values["python"], values["model"]
 
 

@@ -16,8 +16,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from service.envs.base import EnvSpec, UserSimConfig
+from service.envs.remote.nemo_gym_data import dataset_splits
 
-Protocol = Literal["openenv", "mcp"]
+Protocol = Literal["openenv", "mcp", "nemo_gym"]
 
 
 class RemoteEnvConfig(BaseModel):
@@ -29,24 +30,36 @@ class RemoteEnvConfig(BaseModel):
     protocol: Protocol = Field(
         description="`openenv`: OpenEnv servers (WebSocket sessions; MCP tools as the policy's tools). "
         "`mcp`: MCP tool servers (streamable HTTP URLs, or `command` for stdio), with tasks and reward "
-        "from `tasks`."
+        "from `tasks`. `nemo_gym`: NeMo Gym resource servers (HTTP; tasks from `datasets`, reward "
+        "from the server's /verify)."
     )
     urls: list[str] = Field(
         default_factory=list,
-        description="Base URLs of the pool's servers (OpenEnv: http://h:8000; MCP: .../mcp).",
+        description="Base URLs of the pool's servers (OpenEnv, NeMo Gym: http://h:8000; MCP: .../mcp).",
     )
     command: list[str] = Field(
         default_factory=list,
         description="MCP over stdio: the server's command line, one process per episode.",
     )
-    splits: dict[str, int] = Field(description="Split name -> number of tasks (a task is its index).")
+    splits: dict[str, int] = Field(
+        default_factory=dict,
+        description="Split name -> number of tasks (a task is its index); NeMo Gym envs: from `datasets`.",
+    )
+    datasets: dict[str, str] = Field(
+        default_factory=dict,
+        description="NeMo Gym envs: split name -> path of its JSONL dataset (a row per task, as nemo-gym's "
+        "agents send it to /seed_session and /verify).",
+    )
     train_split: str | None = Field(default=None, description="The split a submit without task_split runs.")
     description: str = ""
     tasks: str = Field(
         default="",
         description="MCP envs: `module:function` returning the env's McpTasks (prompts and reward).",
     )
-    system_prompt: str = Field(default="", description="The policy's system message (OpenEnv envs).")
+    system_prompt: str = Field(
+        default="",
+        description="The policy's system message (OpenEnv envs; NeMo Gym rows without one).",
+    )
     respond_tool: str = Field(
         default="",
         description="OpenEnv envs: the tool a plain answer (no tool call) is sent to, with the answer as "
@@ -70,14 +83,23 @@ class RemoteEnvConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> RemoteEnvConfig:
-        if self.protocol == "openenv" and not self.urls:
-            raise ValueError(f"remote env {self.name!r}: an openenv env needs urls")
+        if self.protocol in ("openenv", "nemo_gym") and not self.urls:
+            raise ValueError(f"remote env {self.name!r}: an {self.protocol} env needs urls")
+        if self.protocol == "nemo_gym":
+            if not self.datasets:
+                raise ValueError(f"remote env {self.name!r}: a nemo_gym env needs datasets (split -> JSONL)")
+            if self.splits:
+                raise ValueError(f"remote env {self.name!r}: a nemo_gym env's splits are its datasets' rows")
+        elif not self.splits:
+            raise ValueError(f"remote env {self.name!r}: an {self.protocol} env needs splits")
+        elif self.datasets:
+            raise ValueError(f"remote env {self.name!r}: datasets are for nemo_gym envs")
         if self.protocol == "mcp":
             if bool(self.urls) == bool(self.command):
                 raise ValueError(f"remote env {self.name!r}: an mcp env needs urls or command (one of them)")
             if not self.tasks:
                 raise ValueError(f"remote env {self.name!r}: an mcp env needs tasks (module:function)")
-        if self.train_split is not None and self.train_split not in self.splits:
+        if self.train_split is not None and self.train_split not in (self.splits or self.datasets):
             raise ValueError(f"remote env {self.name!r}: train_split {self.train_split!r} is not a split")
         return self
 
@@ -113,10 +135,12 @@ def runs_remotely(name: str, split: str, user_sim: UserSimConfig) -> Any:
 
 
 def env_spec(config: RemoteEnvConfig) -> EnvSpec:
+    """The env as GET /envs lists it; a NeMo Gym env's splits are its datasets' rows (ValueError if a
+    file cannot be read: the service does not start)."""
     where = ", ".join(config.urls) or " ".join(config.command)
     return EnvSpec(
         name=config.name,
-        splits=dict(config.splits),
+        splits=dataset_splits(config.datasets) if config.datasets else dict(config.splits),
         description=config.description or f"{config.protocol} env served by {where}",
         factory=functools.partial(runs_remotely, config.name),
         train_split=config.train_split,

@@ -1,7 +1,7 @@
 """The episode runner's env opener with remote envs: an episode of a REMOTE_ENVS env opens a
 session on a server of its pool, here on the event loop; every other env opens in the env workers
 (EnvHost). The clients (openenv-core, mcp: the `remote` extra) are imported only where a remote env
-of theirs is configured."""
+of theirs is configured; NeMo Gym envs need none (plain HTTP)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from service.envs.remote.config import RemoteEnvConfig
+from service.envs.remote.nemo_gym import NemoGymEnv
 from service.envs.remote.pool import PoolMetrics, ServerPool
 
 
@@ -48,12 +49,16 @@ class RemoteEnvs:
             require_extra("openenv")
         self._open: set[Any] = set()
         self.mcp: dict[str, Any] = {}
+        self.nemo_gym: dict[str, NemoGymEnv] = {}
         for config in configs:
             if config.protocol == "mcp":
                 require_extra("mcp")
                 from service.envs.remote.mcp_tools import McpEnv
 
                 self.mcp[config.name] = McpEnv(config, self.metrics)
+            elif config.protocol == "nemo_gym":
+                self.nemo_gym[config.name] = NemoGymEnv(config, self.metrics)
+                self.pools[config.name] = self.nemo_gym[config.name].pool
 
     async def _health_check(self, url: str) -> None:
         response = await self._http.get(f"{url}/health")
@@ -65,6 +70,8 @@ class RemoteEnvs:
             return await self.local.open(env_name, split, episode_key)
         if config.protocol == "mcp":
             return await self.mcp[env_name].open(split, episode_key)
+        if config.protocol == "nemo_gym":
+            return self.nemo_gym[env_name].session(split, episode_key)
         return LazySession(self, config, split, episode_key)
 
     def servers(self) -> dict[str, str]:
@@ -78,6 +85,7 @@ class RemoteEnvs:
     async def close(self) -> None:
         """Closes sessions still open (shutdown) and stops the health checks."""
         await asyncio.gather(*(session.close() for session in list(self._open)), return_exceptions=True)
+        await asyncio.gather(*(env.close() for env in self.nemo_gym.values()))
         await asyncio.gather(*(pool.close() for pool in self.pools.values()))
         await self._http.aclose()
 

@@ -28,9 +28,11 @@ import asyncio
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,7 @@ VIEWER_POLL_SECONDS = 5.0
 BATCH_POLL_SECONDS = 30.0  # each trainer's long-poll of its batch
 FIRST_MINUTES = 10  # the throughput baseline
 DRAIN_TIMEOUT_SECONDS = 600.0
+TOP_SITES, TOP_FRAMES = 15, 4  # tracemalloc's growing sites reported, and frames of each
 GOALS = {"rss_growth": 0.05, "fds_growth": 0.05, "throughput_ratio_min": 0.9}
 
 
@@ -101,6 +104,32 @@ async def database_connections(database_url: str) -> int | None:
         )
     finally:
         await connection.close()
+
+
+def tracemalloc_growth(directory: Path, minutes: list[int], rss: dict[int, float]) -> dict[str, Any]:
+    """What the service's snapshots (TRACEMALLOC_DIR, one per `minutes`) show: the Python heap traced at
+    each beside the process tree's RSS, and the sites that grew most from the snapshot at the half of
+    the run to the last (by line, and by the innermost frames)."""
+    paths = sorted(directory.glob("tracemalloc-*.pickle"))
+    if len(paths) < 2:
+        return {"error": f"{len(paths)} snapshots in {directory}"}
+    traced = []
+    for minute, path in zip(minutes, paths, strict=False):
+        snapshot = tracemalloc.Snapshot.load(str(path))
+        traced.append({"minute": minute, "traced_mib": round(sum(t.size for t in snapshot.traces) / 2**20, 1),
+                       "rss_mib": rss[minute]})  # fmt: skip
+    untraced = [tracemalloc.Filter(False, tracemalloc.__file__)]  # the snapshot's own work
+    first = tracemalloc.Snapshot.load(str(paths[(len(paths) - 1) // 2])).filter_traces(untraced)
+    last = tracemalloc.Snapshot.load(str(paths[-1])).filter_traces(untraced)
+
+    def top(key: str) -> list[dict[str, Any]]:
+        grown = sorted(last.compare_to(first, key), key=lambda d: d.size_diff, reverse=True)[:TOP_SITES]
+        return [{"site": [str(frame) for frame in reversed(stat.traceback)][:TOP_FRAMES],  # innermost first
+                 "grew_kib": round(stat.size_diff / 1024, 1), "count_diff": stat.count_diff,
+                 "kib": round(stat.size / 1024, 1)} for stat in grown]  # fmt: skip
+
+    return {"from_minute": minutes[(len(paths) - 1) // 2], "to_minute": minutes[len(paths) - 1],
+            "traced": traced, "by_line": top("lineno"), "by_traceback": top("traceback")}  # fmt: skip
 
 
 def growth(values: list[float]) -> float | None:
@@ -243,12 +272,15 @@ async def soak(
     url: str, sim_url: str, serve_pid: int, database_url: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     driver = Driver(url, sim_url, args.in_flight)
+    if args.tracemalloc:
+        os.kill(serve_pid, signal.SIGUSR2)  # starts tracing: start-up's imports ran untraced
     health = HealthProbe(url)
     health.start()
     loops = (driver.submitter(), driver.canceller(args.cancel_every), driver.updater(args.update_every),
              driver.viewer())  # fmt: skip
     tasks = [asyncio.create_task(loop) for loop in loops]
     samples: list[dict[str, Any]] = []
+    snapshot_minutes: list[int] = []
     started = time.monotonic()
     cpu0, finished0, probes0 = process_tree_cpu_seconds(serve_pid), 0, 0
     for minute in range(1, args.minutes + 1):
@@ -261,18 +293,23 @@ async def soak(
                   "health": percentiles_ms(health.latencies[probes0:probes]),
                   "episodes_finished": driver.finished - finished0, "cpu_seconds": round(cpu - cpu0, 1),
                   "running_batches": len(driver.open), "episodes_open": driver.episodes_open(),
-                  "errors": sum(driver.errors.values())}  # fmt: skip
+                  "errors": sum(driver.errors.values()), "load1": round(os.getloadavg()[0], 2)}  # fmt: skip
         samples.append(sample)
         print(json.dumps(sample), flush=True)
+        if args.tracemalloc and minute % args.snapshot_every == 0:
+            os.kill(serve_pid, signal.SIGUSR2)  # after the sample: the snapshot stops its loop a while
+            snapshot_minutes.append(minute)
         cpu0, finished0, probes0 = cpu, driver.finished, probes
     driver.submitting = False
     async with driver.room:
         driver.room.notify_all()
     for task in tasks:
         task.cancel()
-    async with driver.room:  # the batches still open finish (or are lost)
+    async with driver.room:  # the batches still open, or still being submitted, finish (or are lost)
         try:
-            await asyncio.wait_for(driver.room.wait_for(lambda: not driver.open), DRAIN_TIMEOUT_SECONDS)
+            await asyncio.wait_for(
+                driver.room.wait_for(lambda: not driver.open and not driver.reserved), DRAIN_TIMEOUT_SECONDS
+            )
         except TimeoutError:
             pass
     groups, duplicated = await driver.groups_once()
@@ -297,6 +334,7 @@ async def soak(
             "throughput_vs_first_minutes": round(ratio, 3) if ratio is not None else None,
         },
         "goals": GOALS,
+        "snapshot_minutes": snapshot_minutes,
         "samples": samples,
     }  # fmt: skip
 
@@ -310,7 +348,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--update-every", type=float, default=180.0)
     parser.add_argument("--cancel-every", type=float, default=60.0)
     parser.add_argument("--sample-seconds", type=float, default=60.0, help="a 'minute' (a smoke run)")
+    parser.add_argument(
+        "--serve-env", action="append", default=[], metavar="NAME=VALUE",
+        help="an environment variable for `serve` alone (repeatable), e.g. MALLOC_ARENA_MAX=2",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tracemalloc", type=Path, default=None, metavar="DIR",
+        help="serve traces its Python allocations (TRACEMALLOC_DIR=DIR) and writes a snapshot there every "
+        "--snapshot-every minutes; the growth between the half and the end is reported",
+    )  # fmt: skip
+    parser.add_argument("--snapshot-every", type=int, default=5, metavar="MINUTES")
     args = parser.parse_args(argv)
+    serve_env = dict(item.split("=", 1) for item in args.serve_env)
+    if args.tracemalloc:
+        serve_env["TRACEMALLOC_DIR"] = str(args.tracemalloc)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         with (
@@ -320,11 +371,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             bound = str(max(args.in_flight, 2048))
             with serve_process(
                 database_url, sim_url, tmp, options=("--migrate",), ENV_EXECUTOR="thread",
-                MAX_RUNNING_EPISODES=bound, MAX_INFLIGHT_GENERATES=bound,
+                MAX_RUNNING_EPISODES=bound, MAX_INFLIGHT_GENERATES=bound, **serve_env,
             ) as served:  # fmt: skip
                 result = asyncio.run(soak(served.url, sim_url, served.pid, database_url, args))
-            result |= {"serve_exit_code": served.process.returncode}
+            result |= {"serve_env": serve_env, "serve_exit_code": served.process.returncode}
             result |= {"error_log_lines": served.error_log_lines()}
+            if args.tracemalloc:
+                rss = {sample["minute"]: sample["rss_mib"] for sample in result["samples"]}
+                result["tracemalloc"] = tracemalloc_growth(args.tracemalloc, result["snapshot_minutes"], rss)
     print(json.dumps(result))
     return result
 

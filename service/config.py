@@ -424,6 +424,14 @@ class Settings(BaseSettings):
         "where several apps share a process (tests).",
     )
 
+    tracemalloc_dir: Path | None = Field(
+        default=None,
+        description="For diagnosing memory growth: a service process sent SIGUSR2 starts tracing its "
+        "Python allocations (tracemalloc, 10 frames; it slows every allocation), and each SIGUSR2 after "
+        "that writes a snapshot to this directory, tracemalloc-<pid>-<n>.pickle. Unset (the default), "
+        "SIGUSR2 keeps its default action: the process ends.",
+    )
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="Logging level."
     )

@@ -260,12 +260,24 @@ class EpisodeWorker:
         """Runs a database write until it goes through: a finished result is held in memory through
         a database outage, never thrown away. Its lease stays valid meanwhile: the heartbeat renews
         it as soon as the database answers, and no sweep re-queues leases that expired during an
-        outage (see _sweep_loop). Only a transient error is retried; any other is raised."""
+        outage (see _sweep_loop). Only a transient error is retried; any other is raised.
+
+        The first try goes without tenacity: a retrying object and its closures form reference
+        cycles, garbage that, built for every episode's writes, held each claim until a full
+        collection (rare under TUNE_GC) and grew the soak's RSS (docs/benchmarks.md)."""
+        episode_id = claim.id  # not the claim: the closure below must not hold it
+        try:
+            return await write()
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            self.database.status.failed(error)
+            logger.warning("writing episode %s failed (%s); retrying", episode_id, error)
 
         def failed(state: RetryCallState) -> None:
             error, delay = failed_attempt(state)
             self.database.status.failed(error)
-            logger.warning("writing episode %s failed (%s); retry in %.1f s", claim.id, error, delay)
+            logger.warning("writing episode %s failed (%s); retry in %.1f s", episode_id, error, delay)
 
         retrying = AsyncRetrying(
             wait=backoff(STORE_BACKOFF_SECONDS, STORE_BACKOFF_MAX_SECONDS),

@@ -3,16 +3,21 @@
 episode runner uses it, against the same env in this service's env workers (EnvHost) as baseline.
 
 Each episode: open + reset (the server lists its tools), `add`, `submit` (reward 1.0), close:
-three env calls as the runner counts them (reset, two steps). Reported:
-- `remote`: every episode in flight at once (--episodes, default 2,000): errors, sessions the
-  servers still hold at the end (0 expected), this process's CPU per env call;
+three env calls as the runner counts them (reset, two steps). Episodes run as the service's worker
+runs them: --episodes in flight (default 2,000), each finished one replaced by the next until
+--rounds times that many have run (the first round opens a server session per episode; later
+ones reset sessions their server's earlier episodes left). The service's garbage-collector
+tuning (app.tune_garbage_collector, on by default) is applied first. Reported:
+- `remote`: errors, sessions the servers still hold at the end (0 expected), this process's CPU
+  per env call;
 - `baseline_thread` / `baseline_process`: the same episodes against the same env logic run by
   EnvHost (thread executor: the env's own CPU counted here; process executor: in its workers);
 - `overhead`: sequential steps on one session, p50 through RemoteEnvs vs openenv-core's bare
-  client on the same server (what this layer adds per call);
+  client on the same server (what this layer adds per call), and vs the server's own handler
+  time per message (the example server's middleware: receipt to answer), goal <= 2 ms;
 - `kill`: a batch with one server killed mid-way; episodes that fail as infrastructure are re-run
   (as the worker does within its attempt budget) and must all complete with reward 1.0.
-Run from the repo root: .venv/bin/python bench/remote_envs.py [--episodes N] [--quick]
+Run from the repo root: .venv/bin/python bench/remote_envs.py [--episodes N] [--rounds R] [--quick]
 The last line of output is one JSON object.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +38,7 @@ from openenv.core.env_server.mcp_types import CallToolAction
 from openenv.core.generic_client import GenericEnvClient
 
 from bench.common import percentiles_ms
+from service.app import tune_garbage_collector
 from service.envs.base import Action, EnvSpec, Reset, Step, UserSimConfig
 from service.envs.host import EnvHost
 from service.envs.remote.config import RemoteEnvConfig
@@ -83,12 +90,21 @@ async def episode(envs: Any, index: int, added: asyncio.Queue[int] | None = None
         await session.close()
 
 
-async def run_batch(envs: Any, episodes: int) -> dict[str, Any]:
+async def run_batch(envs: Any, in_flight: int, rounds: int = 1) -> dict[str, Any]:
+    """`in_flight` episodes at a time, `in_flight * rounds` in all."""
+    episodes = in_flight * rounds
+    slots = asyncio.Semaphore(in_flight)
+
+    async def slotted(index: int) -> float:
+        async with slots:
+            return await episode(envs, index)
+
     cpu, wall = time.process_time(), time.perf_counter()
-    results = await asyncio.gather(*(episode(envs, i) for i in range(episodes)), return_exceptions=True)
+    results = await asyncio.gather(*(slotted(i) for i in range(episodes)), return_exceptions=True)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     errors = [r for r in results if isinstance(r, BaseException)]
     return {
+        "in_flight": in_flight,
         "episodes": episodes,
         "errors": len(errors),
         "first_error": repr(errors[0]) if errors else None,
@@ -112,10 +128,12 @@ def remote_config(servers: list[EnvServer], cap: int) -> RemoteEnvConfig:
     )
 
 
-async def remote_run(servers: list[EnvServer], episodes: int) -> dict[str, Any]:
+async def remote_run(servers: list[EnvServer], episodes: int, rounds: int) -> dict[str, Any]:
     envs = RemoteEnvs([remote_config(servers, episodes)], local=None)  # type: ignore[arg-type]
+    opened = sum(s.sessions()["opened"] for s in servers)
     try:
-        result = await run_batch(envs, episodes)
+        result = await run_batch(envs, episodes, rounds)
+        result["server_sessions_opened"] = sum(s.sessions()["opened"] for s in servers) - opened
     finally:
         await envs.close()
     await asyncio.sleep(0.5)
@@ -123,12 +141,12 @@ async def remote_run(servers: list[EnvServer], episodes: int) -> dict[str, Any]:
     return result
 
 
-async def baseline_run(executor: str, episodes: int) -> dict[str, Any]:
+async def baseline_run(executor: str, episodes: int, rounds: int) -> dict[str, Any]:
     spec = EnvSpec(name=ENV, splits={"train": 100_000}, description="", factory=local_counter)
     host = EnvHost(1, executor, envs={ENV: spec})  # type: ignore[arg-type]
     try:
         await host.worker_pids()  # started before the clock
-        return await run_batch(host, episodes)
+        return await run_batch(host, episodes, rounds)
     finally:
         await host.close()
 
@@ -137,6 +155,7 @@ async def overhead(server: EnvServer, steps: int) -> dict[str, Any]:
     envs = RemoteEnvs([remote_config([server], 4)], local=None)  # type: ignore[arg-type]
     ours: list[float] = []
     bare: list[float] = []
+    server.handler_ms(clear=True)
     try:
         session = await envs.open(ENV, "train", "overhead")
         await session.reset(0)
@@ -154,11 +173,15 @@ async def overhead(server: EnvServer, steps: int) -> dict[str, Any]:
     finally:
         await envs.close()
     ours_ms, bare_ms = percentiles_ms(ours), percentiles_ms(bare)
+    # Both clients' steps hit the same handler: its times (the resets' too, a few) are one sample.
+    handler_ms = percentiles_ms([ms / 1000 for ms in server.handler_ms()])
     return {
         "steps": steps,
         "remote_envs_ms": ours_ms,
         "bare_openenv_client_ms": bare_ms,
+        "server_handler_ms": handler_ms,
         "p50_added_ms": round(ours_ms["p50_ms"] - bare_ms["p50_ms"], 3),
+        "p50_above_server_handler_ms": round(ours_ms["p50_ms"] - handler_ms["p50_ms"], 3),
     }
 
 
@@ -200,18 +223,19 @@ async def kill_run(servers: list[EnvServer], episodes: int) -> dict[str, Any]:
     }
 
 
-async def main_async(episodes: int, kill_episodes: int, steps: int) -> dict[str, Any]:
+async def main_async(episodes: int, rounds: int, kill_episodes: int, steps: int) -> dict[str, Any]:
     with env_servers(2, max_sessions=episodes) as servers:
-        report: dict[str, Any] = {"servers": 2}
-        report["remote"] = await remote_run(servers, episodes)
-        report["baseline_thread"] = await baseline_run("thread", episodes)
-        report["baseline_process"] = await baseline_run("process", episodes)
+        report: dict[str, Any] = {"servers": 2, "load_average_at_start": os.getloadavg()}
+        report["remote"] = await remote_run(servers, episodes, rounds)
+        report["baseline_thread"] = await baseline_run("thread", episodes, rounds)
+        report["baseline_process"] = await baseline_run("process", episodes, rounds)
         report["overhead"] = await overhead(servers[1], steps)
     with env_servers(2, max_sessions=kill_episodes) as servers:
         report["kill"] = await kill_run(servers, kill_episodes)
     remote_cpu = report["remote"]["cpu_ms_per_env_call"]
     report["cpu_ratio_vs_thread"] = round(remote_cpu / report["baseline_thread"]["cpu_ms_per_env_call"], 3)
     report["cpu_ratio_vs_process"] = round(remote_cpu / report["baseline_process"]["cpu_ms_per_env_call"], 3)
+    report["load_average_at_end"] = os.getloadavg()
     return report
 
 
@@ -219,14 +243,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--episodes", type=int, default=2000)
+    parser.add_argument("--episodes", type=int, default=2000, help="episodes in flight")
+    parser.add_argument("--rounds", type=int, default=2, help="episodes run = episodes in flight * rounds")
     parser.add_argument("--kill-episodes", type=int, default=400)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--quick", action="store_true", help="a tiny run (tests/test_bench_smoke.py)")
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.kill_episodes, args.steps = 20, 10, 20
-    report = asyncio.run(main_async(args.episodes, args.kill_episodes, args.steps))
+    else:  # process-wide: not in the smoke test, which runs in the suite's process
+        tune_garbage_collector()
+    report = asyncio.run(main_async(args.episodes, args.rounds, args.kill_episodes, args.steps))
     print(json.dumps(report))
     return report
 

@@ -279,5 +279,7 @@ def test_remote_envs_quick(capsys: pytest.CaptureFixture[str]) -> None:
     report = bench.main(["--quick"])
     assert last_json_line(capsys.readouterr().out) == report
     assert report["remote"]["errors"] == 0 and report["remote"]["sessions_open_on_servers_after"] == 0
+    assert report["remote"]["server_sessions_opened"] < report["remote"]["episodes"]  # sessions reused
+    assert report["overhead"]["server_handler_ms"]["samples"] > 0
     assert report["remote"]["cpu_ms_per_env_call"] > 0 < report["baseline_thread"]["cpu_ms_per_env_call"]
     assert report["kill"]["lost"] == 0 and report["kill"]["reward_1"] == report["kill"]["episodes"]

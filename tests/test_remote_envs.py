@@ -51,6 +51,7 @@ def remote_config(servers: list[EnvServer], **overrides: Any) -> dict[str, Any]:
         "train_split": "train",
         "system_prompt": "Use the tools.",
         "health_interval_seconds": 0.3,
+        "reuse_idle_seconds": 1.0,  # kept sessions end soon: the tests wait for 0 open
         **overrides,
     }
 
@@ -71,8 +72,9 @@ def two_servers() -> Iterator[list[EnvServer]]:
 
 
 def wait_closed(servers: list[EnvServer]) -> None:
-    """Every server reports 0 sessions open (closing is asynchronous on the server's side)."""
-    for _ in range(100):
+    """Every server reports 0 sessions open (closing is asynchronous on the server's side, and
+    sessions kept for reuse end after reuse_idle_seconds)."""
+    for _ in range(300):
         if all(server.sessions()["active"] == 0 for server in servers if server.process.poll() is None):
             return
         time.sleep(0.05)
@@ -184,7 +186,9 @@ async def test_a_timed_out_tool_call_is_not_resent_and_fails_as_infrastructure(
     try:
         session = await open_and_reset(envs, 0)
         assert [tool["function"]["name"] for tool in session.tools] == ["add", "submit", "slow"]
-        with pytest.raises(EnvServerTimeout, match=r"did not answer within 0\.5 s"):
+        with pytest.raises(
+            EnvServerTimeout, match=r"\(remote/counter\) did not answer within 0\.5 s during step 'slow'"
+        ):
             await session.step(Action("slow", {"seconds": 1.5}))
         await session.close()
         pool = envs.pools[ENV]
@@ -230,7 +234,10 @@ async def test_a_server_killed_mid_batch_fails_its_episodes_as_retryable_and_lea
             on_dead = [s for s in sessions if s.session.server_url == servers[0].url]
             servers[0].kill()
             for session in on_dead:
-                with pytest.raises(EnvServerDown):
+                with pytest.raises(
+                    EnvServerDown,
+                    match=rf"{servers[0].url} \({ENV}\) closed the connection during step 'add'",
+                ):
                     await session.step(Action("add", {"n": 1}))
             pool = envs.pools[ENV]
             assert pool.servers[0].down is not None

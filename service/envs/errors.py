@@ -64,6 +64,8 @@ class EnvCallTimeout(EnvError):
 class EnvWorkerCrashed(EnvHostError):
     """The worker process an episode was pinned to died; the episode's environment is gone."""
 
+    what = "env worker crashed"  # how the episode's error opens (remote envs name their server)
+
 
 class EnvHostClosed(EnvHostError):
     """The host was shut down."""

@@ -120,7 +120,7 @@ class DrivingRunner:
             note = f"{DEADLINE_NOTE}: still running after {timeout:g} s (driver)"
             outcome = DriveOutcome(None, error=note, truncated=True)
         except EnvWorkerCrashed as error:
-            outcome = DriveOutcome(None, error=f"env worker crashed: {error}", env_error=False)
+            outcome = DriveOutcome(None, error=f"{error.what}: {error}", env_error=False)
         except EnvError as error:
             failure = f"env driver failed: {error}"
             outcome = DriveOutcome(None, error=failure, env_error=not error.infrastructure)

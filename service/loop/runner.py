@@ -115,7 +115,7 @@ class EpisodeRunner:
                 EpisodeStatus.FAILED, f"engine: {error}", retryable=error.retryable, engine_down=down
             )
         except EnvWorkerCrashed as error:
-            return episode.end(EpisodeStatus.FAILED, f"env worker crashed: {error}", retryable=True)
+            return episode.end(EpisodeStatus.FAILED, f"{error.what}: {error}", retryable=True)
         except EnvError as error:
             # Infrastructure (the user simulator's endpoint, a hung env call) is not the policy's
             # doing: the episode fails (not trained on) instead of being aborted.

@@ -22,6 +22,7 @@ OPENENV_SERVER = [
     sys.executable,
     str(Path(__file__).resolve().parents[2] / "examples/openenv_counter/server.py"),
 ]
+GUESS_SERVER = (*OPENENV_SERVER, "--env", "guess")  # the example's plain action env (no MCP tools)
 MCP_SERVER = [sys.executable, "-m", "tests.support.mcp_server"]
 
 
@@ -33,6 +34,10 @@ class EnvServer:
     def sessions(self) -> dict[str, int]:
         """{"active": sessions open now, "opened": ever} as the server counts them."""
         return dict(httpx.get(f"{self.url}/test/sessions", timeout=60).json())
+
+    def handler_ms(self, clear: bool = False) -> list[float]:
+        """The server's own handler time per WebSocket message (the example server's middleware)."""
+        return list(httpx.get(f"{self.url}/test/handler_ms", params={"clear": clear}, timeout=60).json())
 
     def kill(self) -> None:
         self.process.kill()

@@ -66,6 +66,20 @@ class RemoteEnvConfig(BaseModel):
         "`respond_argument`; empty: a plain answer ends the episode with the reward given so far.",
     )
     respond_argument: str = "answer"
+    action_tool: str = Field(
+        default="step",
+        min_length=1,
+        description="OpenEnv envs whose server takes its environment's own action (no MCP tools): the "
+        "name of the one tool the policy is shown, whose arguments are the action (its schema from the "
+        "server's /schema).",
+    )
+    reuse_idle_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        description="OpenEnv envs: how long a server session whose episode ended stays open for the "
+        "server's next episode (reset there); 0: a session per episode. Keep it below the servers' "
+        "session idle timeout.",
+    )
     reset_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Sent with every reset, besides seed/task_index/split/episode_id."
     )

@@ -1,82 +1,57 @@
-"""OpenEnv environments: one WebSocket session per episode on a server of the pool, through
-openenv-core's own client (GenericEnvClient) and protocol types (ListToolsAction, CallToolAction,
-their observations). The server's MCP tools are the policy's tools, as OpenAI function schemas; each
-tool call is a step; the observation's text, reward and done are the Step's."""
+"""OpenEnv environments: an episode holds a WebSocket session on one server of the pool, through
+openenv-core's own client (GenericEnvClient) and wire protocol (its reset/step messages, MCP
+list_tools/call_tool actions). A server whose environment is an MCP environment shows the policy
+its MCP tools, as OpenAI function schemas, each call a step; any other server's action (from its
+/schema) is one tool whose arguments are the action (openenv_actions.py). The observation's text,
+reward and done are the Step's. A session whose episode ended cleanly is kept for the server's
+next episode, which resets it (openenv_idle.py), as OpenEnv's own clients reuse one session."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from typing import Any
 
-from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation, ListToolsAction
+import orjson
 from openenv.core.generic_client import GenericEnvClient
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
 
 from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
 from service.envs.remote.config import RemoteEnvConfig
-from service.envs.remote.errors import EnvServerDown, EnvServerError, EnvServerTimeout
+from service.envs.remote.errors import EnvServerDown, EnvServerError, server_failure
+from service.envs.remote.openenv_actions import (
+    ActionSpace,
+    call_tool_payload,
+    observation_text,
+    tool_result_text,
+)
+from service.envs.remote.openenv_idle import IdleSessions
 from service.envs.remote.pool import Server, ServerPool, backoff
 
 # The server's error codes (openenv WSErrorCode) of a session that was never made: safe to retry.
 NOT_STARTED_CODES = frozenset({"CAPACITY_REACHED", "FACTORY_ERROR", "SESSION_ERROR"})
 _ERROR_CODE = re.compile(r"\(code: ([A-Z_]+)\)\s*$")
-# Observation fields shown as text, in this order, when the observation has several.
-TEXT_FIELDS = ("prompt", "text", "message", "content", "observation", "output", "result")
-
-
-def function_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    """An MCP tool (name, description, input schema) as an OpenAI function schema."""
-    schema = tool.get("input_schema") or tool.get("inputSchema") or {"type": "object", "properties": {}}
-    return {
-        "type": "function",
-        "function": {
-            "name": tool["name"],
-            "description": tool.get("description") or "",
-            "parameters": schema,
-        },
-    }
-
-
-def observation_text(observation: Any) -> str:
-    """The text of an observation as the wire carries it (its fields but reward, done, metadata)."""
-    if isinstance(observation, str):
-        return observation
-    if not isinstance(observation, dict):
-        return json.dumps(observation)
-    texts = [value for value in observation.values() if isinstance(value, str)]
-    if len(observation) == 1 and len(texts) == 1:
-        return texts[0]
-    for name in TEXT_FIELDS:
-        if isinstance(observation.get(name), str):
-            return str(observation[name])
-    return json.dumps(observation, sort_keys=True)
-
-
-def tool_result_text(observation: CallToolObservation) -> str:
-    """An MCP tool call's result as the policy reads it: its text contents, or the tool's error."""
-    if observation.error is not None:
-        return f"Error ({observation.error.error_type.value}): {observation.error.message}"
-    result = observation.result
-    if isinstance(result, dict):
-        parts = [item.get("text", "") for item in result.get("content") or [] if isinstance(item, dict)]
-        if parts:
-            return "\n".join(parts)
-        if "data" in result:
-            result = result["data"]
-    return result if isinstance(result, str) else json.dumps(result)
 
 
 def classify(error: BaseException) -> tuple[str, str | None]:
-    """(error kind, server error code) of a failed call."""
-    if isinstance(error, TimeoutError):
-        return "timeout", None
-    if isinstance(error, ConnectionClosed):
-        return "closed", None
-    if isinstance(error, ConnectionError | OSError):
-        return "connect", None
+    """(error kind, server error code) of a failed call: "timeout", "closed" (the connection
+    dropped), "connect" (it could not be made), "capacity" or "server" (the server answered with
+    an error). The cause chain is read: the client wraps a refused or timed-out connect in its own
+    ConnectionError."""
+    seen: BaseException | None = error
+    kind = None
+    while seen is not None:
+        if isinstance(seen, TimeoutError):
+            return "timeout", None
+        if isinstance(seen, ConnectionClosed):
+            return "closed", None
+        if isinstance(seen, ConnectionError | OSError) and kind is None:
+            kind = "connect"
+        seen = seen.__cause__ or seen.__context__
+    if kind is not None:
+        return kind, None
     match = _ERROR_CODE.search(str(error))
     code = match.group(1) if match else None
     return ("capacity" if code == "CAPACITY_REACHED" else "server"), code
@@ -85,10 +60,13 @@ def classify(error: BaseException) -> tuple[str, str | None]:
 class SessionClient(GenericEnvClient):  # type: ignore[misc]
     """openenv-core's generic client, connecting without permessage-deflate (small JSON messages on
     a fast network: compression cost more CPU than it saved) and without a proxy lookup per session
-    (websockets reads the whole process environment for it: 4 ms a connect, profiled). Set
-    `proxy` to an http://... proxy URL where env servers are reached through one."""
+    (websockets reads the whole process environment for it: 4 ms a connect, profiled), its frames
+    coded by orjson (the same JSON text; json's encoder and decoder were a measured share of the
+    service's CPU per call). Set `proxy` to an http://... proxy URL where env servers are reached
+    through one."""
 
     proxy: str | None = None
+    tools: list[dict[str, Any]] | None = None  # the session's tools, listed once per session
 
     async def connect(self) -> SessionClient:
         if self._ws is not None:  # type: ignore[has-type]
@@ -105,129 +83,208 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
             raise ConnectionError(f"Failed to connect to {self._ws_url}: {error}") from error
         return self
 
+    async def _send(self, message: dict[str, Any]) -> None:
+        if self._ws is None:
+            await self.connect()
+        await self._ws.send(orjson.dumps(message).decode())
+
+    async def _receive(self) -> dict[str, Any]:
+        async with asyncio.timeout(self._message_timeout):
+            raw = await self._ws.recv()
+        answer: dict[str, Any] = orjson.loads(raw)
+        return answer
+
+    @property
+    def open(self) -> bool:
+        return self._ws is not None and self._ws.state is State.OPEN
+
 
 class OpenEnvSession:
     """One episode's session on one OpenEnv server (an EnvSession of the runner)."""
 
-    def __init__(
-        self, config: RemoteEnvConfig, pool: ServerPool, server: Server, client: SessionClient
-    ) -> None:
-        self.config = config
-        self.pool = pool
+    def __init__(self, env: OpenEnvEnv, server: Server, client: SessionClient, reset: Reset) -> None:
+        self.env = env
+        self.config = env.config
         self.server = server
         self.client = client
-        self.system_prompt = config.system_prompt
-        self.tools: list[dict[str, Any]] = []
+        self.system_prompt = env.config.system_prompt
+        self.tools: list[dict[str, Any]] = client.tools or []
         self.reward = 0.0
-        self._reset: Reset | None = None
+        self._reset = reset
         self._closed = False
+        # False while a call is under way (or failed): a session left mid-call is never reused.
+        self._settled = True
 
     @property
     def server_url(self) -> str:
         return self.server.url
 
     async def reset(self, task_index: int) -> Reset:
-        assert self._reset is not None, "opened sessions are reset"
         return self._reset
 
     async def step(self, action: Action) -> Step:
-        if action.name == RESPOND_ACTION_NAME and not self.config.respond_tool:
-            # A plain answer ends the episode with the reward the server gave so far.
-            return Step(observation="", reward=self.reward, done=True)
-        if action.name == RESPOND_ACTION_NAME:
-            call = CallToolAction(
-                tool_name=self.config.respond_tool,
-                arguments={self.config.respond_argument: action.kwargs.get("content", "")},
-            )
+        config, actions = self.config, self.env.actions
+        assert actions is not None, "sessions are opened after the server's actions are known"
+        name, arguments = action.name, action.kwargs
+        if name == RESPOND_ACTION_NAME:
+            if not config.respond_tool:
+                # A plain answer ends the episode with the reward the server gave so far.
+                return Step(observation="", reward=self.reward, done=True)
+            name, arguments = config.respond_tool, {config.respond_argument: arguments.get("content", "")}
+        if actions.mcp:
+            payload = call_tool_payload(name, arguments)
+        elif name == actions.tool_name:
+            payload = dict(arguments)
         else:
-            call = CallToolAction(tool_name=action.name, arguments=dict(action.kwargs))
+            unknown = f"Error: unknown tool {name!r}; the tool is {actions.tool_name!r}"
+            return Step(observation=unknown, reward=self.reward, done=False)
         # A tool call may have changed the server's state: never re-sent.
-        result = await self._call(f"step {action.name!r}", "step", call)
-        observation = CallToolObservation.model_validate(result.observation)
+        result = await self._call(f"step {name!r}", "step", payload)
         if result.reward is not None:
             self.reward = float(result.reward)
-        return Step(observation=tool_result_text(observation), reward=self.reward, done=bool(result.done))
+        observation = result.observation
+        text = tool_result_text(observation) if actions.mcp else observation_text(observation)
+        return Step(observation=text, reward=self.reward, done=bool(result.done))
 
-    async def _call(self, what: str, kind: str, payload: Any) -> Any:
-        async with self.pool.call(self.server, kind):
+    async def _call(self, what: str, kind: str, payload: dict[str, Any]) -> Any:
+        self._settled = False
+        with self.env.pool.call(self.server, kind):
             try:
-                return await self.client.step(payload)
+                result = await self.client.step(payload)
             except Exception as error:
                 raise self._failure(what, error) from error
+        self._settled = True
+        return result
 
     def _failure(self, what: str, error: BaseException) -> Exception:
         kind, _ = classify(error)
-        self.pool.failed(self.server, kind, str(error))
-        where = f"{what} on env server {self.server.url}"
-        if kind == "timeout":
-            return EnvServerTimeout(f"{where} did not answer within {self.config.call_timeout_seconds:g} s")
-        if kind in ("closed", "connect"):
-            return EnvServerDown(f"{where} failed: {type(error).__name__}: {error}")
-        return EnvServerError(f"{where}: {error}")
+        if kind in ("timeout", "closed", "connect"):
+            failure = server_failure(
+                self.server.url, self.config.name, what, kind, error, self.config.call_timeout_seconds
+            )
+            self.env.pool.failed(self.server, kind, failure.how)
+            return failure
+        self.env.pool.failed(self.server, kind, str(error))
+        return EnvServerError(f"{what} on env server {self.server.url}: {error}")
 
     async def close(self) -> None:
-        """Ends the server's session (its env is destroyed) and frees the slot. Idempotent; never
-        raises: a server that is gone has dropped the session with the connection."""
+        """Frees the slot; the server's session is kept for its next episode if the episode left
+        it between calls, else ended (its env destroyed). Idempotent; never raises: a server that
+        is gone has dropped the session with the connection."""
         if self._closed:
             return
         self._closed = True
         try:
-            async with asyncio.timeout(self.config.connect_timeout_seconds):
-                await self.client.close()
-        except Exception:
-            pass
+            if not (self._settled and self.env.idle.keep(self.server, self.client)):
+                await close_client(self.client, self.config.connect_timeout_seconds)
         finally:
-            await self.pool.release(self.server)
+            await self.env.pool.release(self.server)
 
 
-async def open_session(
-    config: RemoteEnvConfig, pool: ServerPool, split: str, task_index: int, episode_key: str
-) -> OpenEnvSession:
-    """A session on the least-loaded healthy server, reset with the task, its tools listed. A
-    connect or reset that did not take effect (refused, no capacity, the connection dropped before
-    the answer: the server's session dies with it) is retried on another server with jitter."""
-    data = {
-        **config.reset_kwargs,
-        "seed": task_index,
-        "task_index": task_index,
-        "split": split,
-        "episode_id": episode_key,
-    }
-    tried: set[str] = set()
-    last: Exception | None = None
-    for attempt in range(config.reset_retries + 1):
-        if attempt:
-            await backoff(attempt - 1, config.retry_backoff_seconds)
-        server = await pool.acquire(frozenset(tried))
-        tried.add(server.url)
-        client = SessionClient(
+async def close_client(client: SessionClient, timeout_seconds: float) -> None:
+    """Ends a server session (openenv's close message, then the WebSocket close); never raises."""
+    try:
+        async with asyncio.timeout(timeout_seconds):
+            await client.close()
+    except Exception:
+        pass
+
+
+class OpenEnvEnv:
+    """One OpenEnv env: its config, its pool of servers, what its servers' actions are (learnt
+    from the first server that answers /schema: all servers of a pool serve the same env), and the
+    sessions kept open between episodes."""
+
+    def __init__(self, config: RemoteEnvConfig, pool: ServerPool, http: Any) -> None:
+        self.config = config
+        self.pool = pool
+        self.http = http  # an httpx.AsyncClient: the /schema request
+        self.actions: ActionSpace | None = None
+        self.idle = IdleSessions(
+            pool,
+            config.reuse_idle_seconds,
+            lambda client: close_client(client, config.connect_timeout_seconds),
+        )
+
+    async def _learn_actions(self, server: Server) -> ActionSpace:
+        if self.actions is None:
+            response = await self.http.get(
+                f"{server.url}/schema", timeout=self.config.connect_timeout_seconds
+            )
+            response.raise_for_status()
+            self.actions = ActionSpace.from_schema(response.json()["action"], self.config.action_tool)
+        return self.actions
+
+    def _new_client(self, server: Server) -> SessionClient:
+        return SessionClient(
             base_url=server.url,
-            connect_timeout_s=config.connect_timeout_seconds,
-            message_timeout_s=config.call_timeout_seconds,
+            connect_timeout_s=self.config.connect_timeout_seconds,
+            message_timeout_s=self.config.call_timeout_seconds,
         )
-        session = OpenEnvSession(config, pool, server, client)
-        try:
-            async with pool.call(server, "open"):
-                reset = await client.reset(**data)
-            async with pool.call(server, "list_tools"):
-                listed = await client.step(ListToolsAction())
-        except BaseException as error:
-            await session.close()
-            if not isinstance(error, Exception):
-                raise
-            kind, code = classify(error)
-            pool.failed(server, kind, str(error))
-            if kind == "server" and code not in NOT_STARTED_CODES:
-                raise EnvServerError(f"reset on env server {server.url}: {error}") from error
-            last = error
-            continue
-        session.tools = [function_schema(tool) for tool in listed.observation.get("tools") or []]
-        session.reward = float(reset.reward or 0.0)
-        session._reset = Reset(
-            observation=observation_text(reset.observation), info={"env_server": server.url}
+
+    async def open(self, split: str, task_index: int, episode_key: str) -> OpenEnvSession:
+        """A session on the least-loaded healthy server, reset with the task, its tools listed. A
+        connect or reset that did not take effect (refused, no capacity, the connection dropped
+        before the answer: the server's session dies with it) is retried on another server with
+        jitter; a kept session the server has since ended is replaced at once."""
+        config = self.config
+        data = {
+            **config.reset_kwargs,
+            "seed": task_index,
+            "task_index": task_index,
+            "split": split,
+            "episode_id": episode_key,
+        }
+        tried: set[str] = set()
+        last = "no server tried"
+        attempt = 0
+        while attempt <= config.reset_retries:
+            server = await self.pool.acquire(frozenset(tried))
+            client = self.idle.take(server)
+            reused = client is not None
+            client = client or self._new_client(server)
+            doing = "the /schema request"
+            try:
+                actions = await self._learn_actions(server)
+                doing = "reset"
+                with self.pool.call(server, "reset" if reused else "open"):
+                    reset = await client.reset(**data)
+                if client.tools is None:
+                    doing = "the tool list"
+                    with self.pool.call(server, "list_tools"):
+                        client.tools = await actions.tools(client)
+            except BaseException as error:
+                await close_client(client, config.connect_timeout_seconds)
+                await self.pool.release(server)
+                if not isinstance(error, Exception):
+                    raise
+                kind, code = classify(error)
+                if reused and kind in ("closed", "connect"):
+                    continue  # the server ended the kept session: not the server's failure
+                if kind == "server" and code not in NOT_STARTED_CODES:
+                    self.pool.failed(server, kind, str(error))
+                    raise EnvServerError(f"{doing} on env server {server.url}: {error}") from error
+                failure = server_failure(
+                    server.url, config.name, doing, kind, error, config.connect_timeout_seconds
+                )
+                self.pool.failed(server, kind, failure.how)
+                tried.add(server.url)
+                last = str(failure)
+                attempt += 1
+                if attempt <= config.reset_retries:
+                    await backoff(attempt - 1, config.retry_backoff_seconds)
+                continue
+            session = OpenEnvSession(self, server, client, opened_reset(reset, server))
+            session.reward = float(reset.reward or 0.0)
+            return session
+        raise EnvServerDown(
+            f"no server of {config.name!r} took the episode after {config.reset_retries + 1} tries; "
+            f"last: {last}; {self.pool.describe()}"
         )
-        return session
-    raise EnvServerDown(
-        f"no env server of {config.name!r} took the episode after {config.reset_retries + 1} tries "
-        f"(last: {type(last).__name__}: {last}); {pool.describe()}"
-    )
+
+    async def close(self) -> None:
+        await self.idle.close()
+
+
+def opened_reset(reset: Any, server: Server) -> Reset:
+    return Reset(observation=observation_text(reset.observation), info={"env_server": server.url})

@@ -48,10 +48,15 @@ class RemoteEnvs:
         if self.pools:
             require_extra("openenv")
         self._open: set[Any] = set()
+        self.openenv: dict[str, Any] = {}
         self.mcp: dict[str, Any] = {}
         self.nemo_gym: dict[str, NemoGymEnv] = {}
         for config in configs:
-            if config.protocol == "mcp":
+            if config.protocol == "openenv":
+                from service.envs.remote.openenv import OpenEnvEnv
+
+                self.openenv[config.name] = OpenEnvEnv(config, self.pools[config.name], self._http)
+            elif config.protocol == "mcp":
                 require_extra("mcp")
                 from service.envs.remote.mcp_tools import McpEnv
 
@@ -86,6 +91,7 @@ class RemoteEnvs:
         """Closes sessions still open (shutdown) and stops the health checks."""
         await asyncio.gather(*(session.close() for session in list(self._open)), return_exceptions=True)
         await asyncio.gather(*(env.close() for env in self.nemo_gym.values()))
+        await asyncio.gather(*(env.close() for env in self.openenv.values()), return_exceptions=True)
         await asyncio.gather(*(pool.close() for pool in self.pools.values()))
         await self._http.aclose()
 
@@ -120,11 +126,9 @@ class LazySession:
         self.session: Any = None  # an openenv.OpenEnvSession once reset
 
     async def reset(self, task_index: int) -> Any:
-        from service.envs.remote import openenv
-
-        pool = self.envs.pools[self.config.name]
         self.envs._open.add(self)
-        self.session = await openenv.open_session(self.config, pool, self.split, task_index, self.episode_key)
+        env = self.envs.openenv[self.config.name]
+        self.session = await env.open(self.split, task_index, self.episode_key)
         self.tools = self.session.tools
         return await self.session.reset(task_index)
 

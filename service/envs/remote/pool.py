@@ -5,6 +5,7 @@ and per-server metrics (sessions open, calls, latency, errors by kind)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -82,7 +83,7 @@ class Server:
 
 class CallTimer:
     """Observes a call's latency in the server's histogram (a plain class: one per env call, where
-    a generator-based context manager cost more CPU, profiled)."""
+    a generator-based context manager cost more CPU, profiled; `with` or `async with`)."""
 
     __slots__ = ("_histogram", "_started")
 
@@ -90,11 +91,17 @@ class CallTimer:
         self._histogram = histogram
         self._started = 0.0
 
-    async def __aenter__(self) -> None:
+    def __enter__(self) -> None:
         self._started = time.perf_counter()
 
-    async def __aexit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._histogram.observe(time.perf_counter() - self._started)
+
+    async def __aenter__(self) -> None:
+        self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__()
 
 
 HealthCheck = Callable[[str], Awaitable[None]]  # raises if the server at the URL is not healthy
@@ -124,7 +131,7 @@ class ServerPool:
         self.health_interval_seconds = health_interval_seconds
         self.placement_timeout_seconds = placement_timeout_seconds
         self._health_check = health_check
-        self._changed = asyncio.Condition()
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._turns = itertools.count()
         self._checker: asyncio.Task[None] | None = None
         for server in self.servers:
@@ -147,24 +154,55 @@ class ServerPool:
         """A slot on the least-loaded healthy server (not in `avoid` unless it is the only one);
         EnvServerDown if none frees within the placement timeout."""
         self.start()
+        server = None if self._waiters else self._pick(avoid)  # first come, first placed
+        if server is None:
+            server = await self._wait_for_slot(avoid)
+        server.sessions += 1
+        self.metrics.sessions_open.labels(self.env, server.url).set(server.sessions)
+        return server
+
+    async def _wait_for_slot(self, avoid: frozenset[str]) -> Server:
+        # A queue of waiters, each woken alone when one slot frees: a condition's notify_all woke
+        # every waiter per release (quadratic at thousands waiting: a fifth of the CPU, profiled).
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.placement_timeout_seconds), self._changed:
-                while (server := self._pick(avoid)) is None:
-                    await self._changed.wait()
+            async with asyncio.timeout(self.placement_timeout_seconds):
+                first = True
+                while True:
+                    waiter = loop.create_future()
+                    if first:
+                        self._waiters.append(waiter)
+                    else:  # woken, but the slot was taken (its server went down): still first
+                        self._waiters.appendleft(waiter)
+                    first = False
+                    try:
+                        await waiter
+                    except BaseException:
+                        if waiter.cancelled():
+                            with contextlib.suppress(ValueError):  # unless _wake dropped it
+                                self._waiters.remove(waiter)
+                        else:  # woken, then cancelled: the slot goes to the next in line
+                            self._wake(1)
+                        raise
+                    if (server := self._pick(avoid)) is not None:
+                        return server
         except TimeoutError:
             raise EnvServerDown(
                 f"no server of remote env {self.env!r} could take an episode within "
                 f"{self.placement_timeout_seconds:g} s: {self.describe()}"
             ) from None
-        server.sessions += 1
-        self.metrics.sessions_open.labels(self.env, server.url).set(server.sessions)
-        return server
+
+    def _wake(self, count: int) -> None:
+        while count > 0 and self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():  # (a cancelled one leaves the queue when its task resumes)
+                waiter.set_result(None)
+                count -= 1
 
     async def release(self, server: Server) -> None:
         server.sessions -= 1
         self.metrics.sessions_open.labels(self.env, server.url).set(server.sessions)
-        async with self._changed:
-            self._changed.notify_all()
+        self._wake(1)
 
     def call(self, server: Server, what: str) -> CallTimer:
         """Counts and times one call to `server` (`async with pool.call(server, "step"): ...`)."""
@@ -190,8 +228,7 @@ class ServerPool:
         logger.info("env server %s of %s is back", server.url, self.env)
         server.down = None
         self.metrics.up.labels(self.env, server.url).set(1)
-        async with self._changed:
-            self._changed.notify_all()
+        self._wake(len(self._waiters))
 
     def describe(self) -> str:
         return "; ".join(f"{s.url} {s.describe()} ({s.sessions}/{s.cap} sessions)" for s in self.servers)

@@ -1,0 +1,179 @@
+"""OpenEnv remote envs beyond MCP tool envs (service/envs/remote/openenv*.py): a plain reset/step
+server's action as the policy's one tool, sessions kept between episodes, a shutdown that ends
+every server session, and a dead server named in its episodes' error. Real openenv-core servers
+(examples/openenv_counter/server.py), through the whole service on both databases."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction
+
+from service.app import create_app
+from service.envs.base import Action
+from service.envs.remote.config import RemoteEnvConfig
+from service.envs.remote.openenv_actions import LIST_TOOLS, call_tool_payload
+from service.envs.remote.opener import RemoteEnvs
+from service.serving import serve_app
+from service.sim.policy import SimConfig
+from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
+from tests.conftest import service_settings
+from tests.support.contract import assert_stored_episode_matches_sim
+from tests.support.remote_servers import GUESS_SERVER, EnvServer, env_servers
+from tests.test_remote_envs import ENV, counter_oracle, finished_batch, remote_config, wait_closed
+
+GUESS = "remote/guess"
+
+
+def guess_oracle(prompt_text: str, key: str) -> str:
+    """Guesses 1 first (the server answers "higher"), then the middle of the range: reward 1.0."""
+    bound = re.search(r"Guess the number between 1 and (\d+)\.", prompt_text)
+    assert bound is not None, prompt_text
+    guess = int(bound.group(1)) // 2 if "higher" in prompt_text else 1
+    return f"<tool_call>\n{json.dumps({'name': 'step', 'arguments': {'guess': guess}})}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def guess_server() -> Iterator[EnvServer]:
+    with env_servers(1, command=GUESS_SERVER) as servers:
+        yield servers[0]
+
+
+@pytest.fixture(scope="module")
+def counter_server() -> Iterator[EnvServer]:
+    with env_servers(1) as servers:
+        yield servers[0]
+
+
+def test_the_wire_dicts_are_openenv_cores_types() -> None:
+    """The actions built without pydantic on the hot path are what openenv-core's types dump."""
+    assert (
+        call_tool_payload("add", {"n": 2}) == CallToolAction(tool_name="add", arguments={"n": 2}).model_dump()
+    )
+    assert LIST_TOOLS == ListToolsAction().model_dump()
+
+
+async def test_a_plain_action_server_runs_with_its_action_as_one_tool(
+    database_url: str, guess_server: EnvServer
+) -> None:
+    sim = SimWorker(SimConfig(latency_seconds=0.01, policy=guess_oracle))
+    config = {"name": GUESS, "protocol": "openenv", "urls": [guess_server.url], "splits": {"train": 20}}
+    with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+        settings = service_settings(database_url, sim_url, remote_envs=json.dumps([config]))
+        async with (
+            serve_app(create_app(settings)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            body = {"env": GUESS, "task_split": "train", "task_indices": [0, 3, 5], "max_turns": 4}
+            accepted = (await client.post("/episodes", json=body)).json()
+            batch = await finished_batch(client, accepted["batch_id"])
+            episodes = [(await client.get(f"/episodes/{id_}")).json() for id_ in accepted["episode_ids"]]
+    assert batch["counts"]["completed"] == 3, [episode["error"] for episode in episodes]
+    for episode in episodes:
+        assert episode["reward"] == 1.0
+        tools = [(m["name"], m["content"]) for m in episode["messages"] if m["role"] == "tool"]
+        assert tools == [("step", "higher"), ("step", "right")]
+        assert_stored_episode_matches_sim(sim, episode)
+
+
+async def test_the_action_tool_comes_from_the_servers_schema(guess_server: EnvServer) -> None:
+    config = RemoteEnvConfig(name=GUESS, protocol="openenv", urls=[guess_server.url], splits={"train": 5})
+    envs = RemoteEnvs([config], local=None)  # type: ignore[arg-type]
+    try:
+        session = await envs.open(GUESS, "train", "e0")
+        reset = await session.reset(0)
+        assert reset.observation == "Guess the number between 1 and 4."
+        (tool,) = session.tools
+        assert tool["function"]["name"] == "step"
+        assert tool["function"]["description"] == "Guess the hidden number."
+        parameters = tool["function"]["parameters"]
+        assert set(parameters["properties"]) == {"guess"}  # not the base Action's metadata
+        assert parameters["required"] == ["guess"]
+        wrong = await session.step(Action("submit", {"answer": "2"}))
+        assert "unknown tool 'submit'" in wrong.observation and not wrong.done
+        right = await session.step(Action("step", {"guess": 2}))
+        assert (right.observation, right.reward, right.done) == ("right", 1.0, True)
+        await session.close()
+    finally:
+        await envs.close()
+
+
+async def test_a_session_is_kept_for_the_servers_next_episode_and_ends_when_idle(
+    counter_server: EnvServer,
+) -> None:
+    config = RemoteEnvConfig.model_validate(remote_config([counter_server], reuse_idle_seconds=0.5))
+    envs = RemoteEnvs([config], local=None)  # type: ignore[arg-type]
+    opened = counter_server.sessions()["opened"]
+    try:
+        for index in range(3):
+            session = await envs.open(ENV, "train", f"e{index}")
+            reset = await session.reset(index)
+            assert reset.observation == f"Reach {index + 2} with add, then submit it."
+            assert (await session.step(Action("add", {"n": 1}))).observation == "1"  # reset: from 0
+            await session.close()
+        assert counter_server.sessions() == {"active": 1, "opened": opened + 1}  # one session, reused
+        # A session left mid-call is never reused.
+        session = await envs.open(ENV, "train", "cut")
+        await session.reset(0)
+        call = asyncio.ensure_future(session.step(Action("slow", {"seconds": 0.3})))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        await session.close()
+        assert envs.openenv[ENV].idle.count() == 0
+        wait_closed([counter_server])  # the kept session ended after its idle time
+    finally:
+        await envs.close()
+
+
+async def test_a_shutdown_ends_every_session_on_the_servers(database_url: str) -> None:
+    """Episodes mid-way (waiting on the engine) and sessions kept between episodes: the service's
+    shutdown ends them all; the servers report 0 open."""
+    sim = SimWorker(SimConfig(latency_seconds=1.0, policy=counter_oracle))
+    with env_servers(2) as servers:
+        config = remote_config(servers, reuse_idle_seconds=600.0)
+        with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+            settings = service_settings(
+                database_url, sim_url, remote_envs=json.dumps([config]), shutdown_timeout_seconds=0.2
+            )
+            async with (
+                serve_app(create_app(settings)) as url,
+                httpx.AsyncClient(base_url=url, timeout=30) as client,
+            ):
+                body = {"env": ENV, "task_split": "train", "task_indices": list(range(6)), "max_turns": 4}
+                (await client.post("/episodes", json=body)).raise_for_status()
+                for _ in range(600):
+                    if sum(server.sessions()["active"] for server in servers) >= 4:
+                        break
+                    await asyncio.sleep(0.05)
+                assert sum(server.sessions()["active"] for server in servers) >= 4
+        wait_closed(servers)
+
+
+async def test_a_dead_servers_episodes_say_which_server_failed_and_how(database_url: str) -> None:
+    sim = SimWorker(SimConfig(latency_seconds=0.01, policy=counter_oracle))
+    with env_servers(1) as servers:
+        servers[0].kill()
+        config = remote_config(servers, reset_retries=0, placement_timeout_seconds=1)
+        with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+            settings = service_settings(
+                database_url, sim_url, remote_envs=json.dumps([config]), max_attempts=1
+            )
+            async with (
+                serve_app(create_app(settings)) as url,
+                httpx.AsyncClient(base_url=url, timeout=30) as client,
+            ):
+                body = {"env": ENV, "task_split": "train", "task_indices": [0, 1], "max_turns": 4}
+                accepted = (await client.post("/episodes", json=body)).json()
+                await finished_batch(client, accepted["batch_id"])
+                episodes = [(await client.get(f"/episodes/{id_}")).json() for id_ in accepted["episode_ids"]]
+    for episode in episodes:
+        assert episode["status"] == "failed" and episode["reward"] is None, episode
+        # Placed on the server (it refused) or, once it was out of placement, on none in time.
+        error = episode["error"]
+        assert error.startswith("env server failed: no server of "), error
+        assert re.search(rf"{re.escape(servers[0].url)}.*refused the connection during ", error), error

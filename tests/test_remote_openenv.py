@@ -19,12 +19,14 @@ from service.envs.base import Action
 from service.envs.remote.config import RemoteEnvConfig
 from service.envs.remote.openenv_actions import LIST_TOOLS, call_tool_payload
 from service.envs.remote.opener import RemoteEnvs
+from service.envs.remote.pool import PoolMetrics, ServerPool
 from service.serving import serve_app
 from service.sim.policy import SimConfig
 from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
 from tests.conftest import service_settings
 from tests.support.contract import assert_stored_episode_matches_sim
-from tests.support.remote_servers import GUESS_SERVER, EnvServer, env_servers
+from tests.support.ports import free_port
+from tests.support.remote_servers import GUESS_SERVER, EnvServer, launch_server, wait_listening
 from tests.test_remote_envs import ENV, counter_oracle, finished_batch, remote_config, wait_closed
 
 GUESS = "remote/guess"
@@ -39,15 +41,28 @@ def guess_oracle(prompt_text: str, key: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def guess_server() -> Iterator[EnvServer]:
-    with env_servers(1, command=GUESS_SERVER) as servers:
-        yield servers[0]
+def both_servers() -> Iterator[tuple[EnvServer, EnvServer]]:
+    """The example's plain action env and its MCP counter env, started together (each takes long
+    to import openenv-core on a loaded machine)."""
+    guess, counter = launch_server(command=GUESS_SERVER), launch_server()
+    try:
+        wait_listening(guess)
+        wait_listening(counter)
+        yield guess, counter
+    finally:
+        for server in (guess, counter):
+            if server.process.poll() is None:
+                server.kill()
 
 
-@pytest.fixture(scope="module")
-def counter_server() -> Iterator[EnvServer]:
-    with env_servers(1) as servers:
-        yield servers[0]
+@pytest.fixture
+def guess_server(both_servers: tuple[EnvServer, EnvServer]) -> EnvServer:
+    return both_servers[0]
+
+
+@pytest.fixture
+def counter_server(both_servers: tuple[EnvServer, EnvServer]) -> EnvServer:
+    return both_servers[1]
 
 
 def test_the_wire_dicts_are_openenv_cores_types() -> None:
@@ -130,50 +145,83 @@ async def test_a_session_is_kept_for_the_servers_next_episode_and_ends_when_idle
         await envs.close()
 
 
-async def test_a_shutdown_ends_every_session_on_the_servers(database_url: str) -> None:
+async def test_a_shutdown_ends_every_session_on_the_servers(
+    database_url: str, counter_server: EnvServer
+) -> None:
     """Episodes mid-way (waiting on the engine) and sessions kept between episodes: the service's
-    shutdown ends them all; the servers report 0 open."""
+    shutdown ends them all; the server reports 0 open."""
     sim = SimWorker(SimConfig(latency_seconds=1.0, policy=counter_oracle))
-    with env_servers(2) as servers:
-        config = remote_config(servers, reuse_idle_seconds=600.0)
-        with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
-            settings = service_settings(
-                database_url, sim_url, remote_envs=json.dumps([config]), shutdown_timeout_seconds=0.2
-            )
-            async with (
-                serve_app(create_app(settings)) as url,
-                httpx.AsyncClient(base_url=url, timeout=30) as client,
-            ):
-                body = {"env": ENV, "task_split": "train", "task_indices": list(range(6)), "max_turns": 4}
-                (await client.post("/episodes", json=body)).raise_for_status()
-                for _ in range(600):
-                    if sum(server.sessions()["active"] for server in servers) >= 4:
-                        break
-                    await asyncio.sleep(0.05)
-                assert sum(server.sessions()["active"] for server in servers) >= 4
-        wait_closed(servers)
+    config = remote_config([counter_server], reuse_idle_seconds=600.0)
+    with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+        settings = service_settings(
+            database_url, sim_url, remote_envs=json.dumps([config]), shutdown_timeout_seconds=0.2
+        )
+        async with (
+            serve_app(create_app(settings)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            body = {"env": ENV, "task_split": "train", "task_indices": list(range(6)), "max_turns": 4}
+            (await client.post("/episodes", json=body)).raise_for_status()
+            for _ in range(1200):
+                if counter_server.sessions()["active"] >= 4:
+                    break
+                await asyncio.sleep(0.05)
+            assert counter_server.sessions()["active"] >= 4
+    wait_closed([counter_server])
 
 
 async def test_a_dead_servers_episodes_say_which_server_failed_and_how(database_url: str) -> None:
+    """A server that is gone (nothing listens at its URL any more) refuses the connection."""
     sim = SimWorker(SimConfig(latency_seconds=0.01, policy=counter_oracle))
-    with env_servers(1) as servers:
-        servers[0].kill()
-        config = remote_config(servers, reset_retries=0, placement_timeout_seconds=1)
-        with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
-            settings = service_settings(
-                database_url, sim_url, remote_envs=json.dumps([config]), max_attempts=1
-            )
-            async with (
-                serve_app(create_app(settings)) as url,
-                httpx.AsyncClient(base_url=url, timeout=30) as client,
-            ):
-                body = {"env": ENV, "task_split": "train", "task_indices": [0, 1], "max_turns": 4}
-                accepted = (await client.post("/episodes", json=body)).json()
-                await finished_batch(client, accepted["batch_id"])
-                episodes = [(await client.get(f"/episodes/{id_}")).json() for id_ in accepted["episode_ids"]]
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = {**remote_config([]), "urls": [dead], "reset_retries": 0, "placement_timeout_seconds": 1}
+    with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
+        settings = service_settings(database_url, sim_url, remote_envs=json.dumps([config]), max_attempts=1)
+        async with (
+            serve_app(create_app(settings)) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            body = {"env": ENV, "task_split": "train", "task_indices": [0, 1], "max_turns": 4}
+            accepted = (await client.post("/episodes", json=body)).json()
+            await finished_batch(client, accepted["batch_id"])
+            episodes = [(await client.get(f"/episodes/{id_}")).json() for id_ in accepted["episode_ids"]]
     for episode in episodes:
         assert episode["status"] == "failed" and episode["reward"] is None, episode
         # Placed on the server (it refused) or, once it was out of placement, on none in time.
         error = episode["error"]
         assert error.startswith("env server failed: no server of "), error
-        assert re.search(rf"{re.escape(servers[0].url)}.*refused the connection during ", error), error
+        assert re.search(rf"{re.escape(dead)}.*refused the connection during ", error), error
+
+
+async def test_a_freed_slot_goes_to_the_first_waiter_still_waiting() -> None:
+    """Placement's queue: one waiter woken per freed slot, in order; a cancelled waiter passes its
+    turn on; a server back in placement wakes them all."""
+
+    async def healthy(url: str) -> None:
+        return None
+
+    pool = ServerPool(
+        ENV,
+        ["http://a"],
+        max_sessions_per_server=1,
+        health_check=healthy,
+        metrics=PoolMetrics(),
+        health_interval_seconds=60,
+        placement_timeout_seconds=5,
+    )
+    try:
+        (server,) = pool.servers
+        assert await pool.acquire() is server
+        waiters = [asyncio.ensure_future(pool.acquire()) for _ in range(3)]
+        await asyncio.sleep(0)
+        waiters[0].cancel()
+        await pool.release(server)
+        assert await waiters[1] is server and not waiters[2].done()
+        pool.mark_down(server, "test")
+        await pool.release(server)  # the slot is free, the server is not in placement
+        await asyncio.sleep(0.01)
+        assert not waiters[2].done()
+        await pool.check()  # its health check passes: back, and the waiter placed
+        assert await waiters[2] is server and server.sessions == 1
+    finally:
+        await pool.close()

@@ -17,7 +17,7 @@ import httpx
 
 from tests.support.ports import free_port
 
-START_TIMEOUT_SECONDS = 180.0  # a loaded shared machine imports openenv-core slowly
+START_TIMEOUT_SECONDS = 600.0  # a loaded shared machine imports openenv-core (gradio too) slowly
 OPENENV_SERVER = [
     sys.executable,
     str(Path(__file__).resolve().parents[2] / "examples/openenv_counter/server.py"),

@@ -200,6 +200,7 @@ class OpenEnvEnv:
         self.pool = pool
         self.http = http  # an httpx.AsyncClient: the /schema request
         self.actions: ActionSpace | None = None
+        self._learning = asyncio.Lock()
         self.idle = IdleSessions(
             pool,
             config.reuse_idle_seconds,
@@ -207,13 +208,15 @@ class OpenEnvEnv:
         )
 
     async def _learn_actions(self, server: Server) -> ActionSpace:
-        if self.actions is None:
-            response = await self.http.get(
-                f"{server.url}/schema", timeout=self.config.connect_timeout_seconds
-            )
-            response.raise_for_status()
-            self.actions = ActionSpace.from_schema(response.json()["action"], self.config.action_tool)
-        return self.actions
+        if self.actions is not None:
+            return self.actions
+        async with self._learning:  # one /schema request, not one per episode of a first batch
+            if self.actions is None:
+                timeout = self.config.connect_timeout_seconds
+                response = await self.http.get(f"{server.url}/schema", timeout=timeout)
+                response.raise_for_status()
+                self.actions = ActionSpace.from_schema(response.json()["action"], self.config.action_tool)
+            return self.actions
 
     def _new_client(self, server: Server) -> SessionClient:
         return SessionClient(

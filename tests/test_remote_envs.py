@@ -18,6 +18,10 @@ import pytest
 
 from service.app import create_app
 from service.envs.base import RESPOND_ACTION_NAME, Action
+
+# The service imports it at start; openenv-core's import (gradio with it) outlasted the start-up
+# timeout on a loaded machine, so it is paid here, at collection.
+from service.envs.remote import openenv as _openenv  # noqa: F401
 from service.envs.remote.config import RemoteEnvConfig, parse_remote_envs
 from service.envs.remote.errors import EnvServerDown, EnvServerTimeout
 from service.envs.remote.opener import RemoteEnvs
@@ -107,7 +111,7 @@ async def service(
         settings = service_settings(database_url, sim_url, remote_envs=remote)
         async with (
             serve_app(create_app(settings)) as url,
-            httpx.AsyncClient(base_url=url, timeout=30) as http,
+            httpx.AsyncClient(base_url=url, timeout=90) as http,  # above the long-polls' wait=30
         ):
             yield sim, http
 

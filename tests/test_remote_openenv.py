@@ -82,7 +82,7 @@ async def test_a_plain_action_server_runs_with_its_action_as_one_tool(
         settings = service_settings(database_url, sim_url, remote_envs=json.dumps([config]))
         async with (
             serve_app(create_app(settings)) as url,
-            httpx.AsyncClient(base_url=url, timeout=30) as client,
+            httpx.AsyncClient(base_url=url, timeout=90) as client,
         ):
             body = {"env": GUESS, "task_split": "train", "task_indices": [0, 3, 5], "max_turns": 4}
             accepted = (await client.post("/episodes", json=body)).json()
@@ -158,7 +158,7 @@ async def test_a_shutdown_ends_every_session_on_the_servers(
         )
         async with (
             serve_app(create_app(settings)) as url,
-            httpx.AsyncClient(base_url=url, timeout=30) as client,
+            httpx.AsyncClient(base_url=url, timeout=90) as client,
         ):
             body = {"env": ENV, "task_split": "train", "task_indices": list(range(6)), "max_turns": 4}
             (await client.post("/episodes", json=body)).raise_for_status()
@@ -179,7 +179,7 @@ async def test_a_dead_servers_episodes_say_which_server_failed_and_how(database_
         settings = service_settings(database_url, sim_url, remote_envs=json.dumps([config]), max_attempts=1)
         async with (
             serve_app(create_app(settings)) as url,
-            httpx.AsyncClient(base_url=url, timeout=30) as client,
+            httpx.AsyncClient(base_url=url, timeout=90) as client,
         ):
             body = {"env": ENV, "task_split": "train", "task_indices": [0, 1], "max_turns": 4}
             accepted = (await client.post("/episodes", json=body)).json()

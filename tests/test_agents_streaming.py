@@ -7,6 +7,7 @@ call's record (checked against the engine's request log)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -97,11 +98,17 @@ async def test_a_streamed_answer_arrives_as_sampled_and_is_stored_as_a_plain_one
     deltas = await PROTOCOLS[protocol](streamed)
     await _plain(plain)
     assert "".join(text for _, text in deltas) == LONG
-    # Token by token: many pieces, the last ones as far apart as the engine samples them.
+    # Token by token, as the engine samples them: many pieces; the last quarter of the text in many
+    # of its own (not the rest at once); most pieces well before the last (not held to the end). No
+    # gap between two pieces is asserted: a loaded service sends what piled up while it was behind
+    # in one write, and the last quarter of the pieces once came within 3 ms.
     tokens = len(load_test_tokenizer().encode(LONG, add_special_tokens=False))
     assert len(deltas) >= tokens // 2
-    last = deltas[len(deltas) * 3 // 4 :]
-    assert last[-1][0] - last[0][0] >= len(last) * PER_TOKEN_SECONDS / 2
+    ends = itertools.accumulate(len(text) for _, text in deltas)
+    assert sum(1 for end in ends if end > len(LONG) * 3 // 4) >= tokens // 8
+    sampling_seconds = tokens * PER_TOKEN_SECONDS
+    early = [at for at, _ in deltas if deltas[-1][0] - at >= sampling_seconds / 4]
+    assert len(early) >= len(deltas) // 4, [round(at - deltas[0][0], 3) for at, _ in deltas]
 
     rows = [(await service.get(f"/episodes/{agent['episode_id']}")).json() for agent in (streamed, plain)]
     for row in rows:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,9 +21,10 @@ from service.engine.client import (
     EngineUnavailableError,
     Generation,
     SGLangClient,
+    make_control_client,
     parse_generation,
 )
-from service.engine.transport import GenerateTransport, SocketTransport
+from service.engine.transport import KEEPALIVE_SECONDS, GenerateTransport, SocketTransport
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from tests.support.polling import until
@@ -336,6 +338,32 @@ async def test_workers_from_a_router_listing() -> None:
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
         assert await make_client(http, "http://router").workers() == ["http://a:1", "http://b:2"]
+
+
+async def test_the_control_client_drops_idle_connections_before_the_engine_does() -> None:
+    """SGLang's uvicorn closes a connection idle 5 s: a health probe or a /workers listing sent on
+    one as it closes would fail. Past KEEPALIVE_SECONDS idle the control client connects anew."""
+    peers: list[int] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peers.append(writer.get_extra_info("peername")[1])
+        with contextlib.suppress(asyncio.IncompleteReadError):  # the client closed it
+            while await reader.readuntil(b"\r\n\r\n"):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with make_control_client(5.0) as http:
+            assert (await http.get(f"{url}/health")).status_code == 200
+            assert (await http.get(f"{url}/health")).status_code == 200
+            assert len(peers) == 1  # kept alive while fresh
+            await asyncio.sleep(KEEPALIVE_SECONDS + 0.3)
+            assert (await http.get(f"{url}/health")).status_code == 200
+        assert len(peers) == 2 and KEEPALIVE_SECONDS < 5.0
+    finally:
+        server.close()
 
 
 # ---- the production transport over real sockets ----

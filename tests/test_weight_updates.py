@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from service.storage import engine_state
 from service.storage.db import Database
 from tests.conftest import service_settings
 from tests.support.contract import assert_stored_episode_matches_sim, sim_calls
+from tests.support.polling import until
 from tests.support.service_process import episodes_of, submission
 
 sys.path.insert(0, str(Path(__file__).parent / "slime_standin"))
@@ -34,13 +37,26 @@ UPDATES = 3
 SIM = SimConfig(latency_seconds=0.05, per_token_latency_seconds=0.004, malformed_call_rate=0.0)
 
 
-@pytest.fixture
-async def running(database_url: str) -> AsyncIterator[tuple[SimWorker, str, httpx.AsyncClient]]:
-    sim = SimWorker(SIM)
+# Turns of a second or more: however slow the service is between turns (a loaded machine), several
+# are in flight at the engine when a pause reaches it.
+LONG_TURNS_SIM = replace(SIM, per_token_latency_seconds=0.02)
+
+
+@asynccontextmanager
+async def serving(
+    database_url: str, config: SimConfig
+) -> AsyncIterator[tuple[SimWorker, str, httpx.AsyncClient]]:
+    sim = SimWorker(config)
     with serve_in_thread(create_sim_app(sim.config, worker=sim)) as sim_url:
         app = create_app(service_settings(database_url, sim_url, engine_abort_quiet_seconds=0.5))
         async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
             yield sim, sim_url, http
+
+
+@pytest.fixture
+async def running(database_url: str) -> AsyncIterator[tuple[SimWorker, str, httpx.AsyncClient]]:
+    async with serving(database_url, SIM) as service:
+        yield service
 
 
 async def test_slime_abort_until_idle_and_weight_updates_lose_no_work(
@@ -89,26 +105,27 @@ async def test_slime_abort_until_idle_and_weight_updates_lose_no_work(
     assert "rollout_turn_resumes_total" in metrics
 
 
-async def test_a_pause_with_mode_abort_resumes_its_turns_after_continue(
-    running: tuple[SimWorker, str, httpx.AsyncClient],
-) -> None:
-    sim, _, http = running
-    accepted = await http.post("/episodes", json=submission("p", 4, 2, max_turns=20))
-    assert accepted.status_code == 202, accepted.text
-    await asyncio.sleep(0.5)
-    assert (await http.post("/engine/pause", json={"mode": "abort"})).status_code == 200
-    await asyncio.sleep(1.0)  # resumed turns wait in the paused engine
-    assert sim.running > 0 and sim.waiting == sim.running
-    assert (await http.post("/engine/continue")).status_code == 200
-    batch = (await http.get("/batches/p", params={"wait": 120})).json()
-    assert batch["complete"] and batch["counts"]["aborted"] == batch["counts"]["failed"] == 0, batch["counts"]
-    turns = [
-        turn
-        for summary in batch["episodes"]
-        for turn in (await http.get(f"/episodes/{summary['id']}")).json()["turns"]
-    ]
+async def test_a_pause_with_mode_abort_resumes_its_turns_after_continue(database_url: str) -> None:
+    async with serving(database_url, LONG_TURNS_SIM) as (sim, _, http):
+        accepted = await http.post("/episodes", json=submission("p", 4, 2, max_turns=20))
+        assert accepted.status_code == 202, accepted.text
+        # Waits on the engine, not the clock: under load the first turns came 1.5 s after the submit.
+        await until(lambda: sim.running >= 4, timeout_seconds=60)  # in flight: the pause cuts them
+        assert (await http.post("/engine/pause", json={"mode": "abort"})).status_code == 200
+        await until(lambda: sim.running > 0, timeout_seconds=60)  # resumed turns, held by the pause
+        assert sim.waiting == sim.running
+        assert (await http.post("/engine/continue")).status_code == 200
+        batch = (await http.get("/batches/p", params={"wait": 120})).json()
+        counts = batch["counts"]
+        assert batch["complete"] and counts["aborted"] == counts["failed"] == 0, counts
+        turns = [
+            turn
+            for summary in batch["episodes"]
+            for turn in (await http.get(f"/episodes/{summary['id']}")).json()["turns"]
+        ]
     assert any(turn["resume"] > 0 for turn in turns)
-    assert any(turn["finish_reason"].get("message") == "Aborted by pause_generation." for turn in turns)
+    cut = [turn for turn in turns if turn["finish_reason"].get("message") == "Aborted by pause_generation."]
+    assert cut, turns
 
 
 async def test_max_staleness_reruns_episodes_whose_tokens_fall_too_far_behind(

@@ -77,8 +77,9 @@ def complete_contract(document: dict[str, Any]) -> None:
         BEARER_SCHEME: {
             "type": "http",
             "scheme": "bearer",
-            "description": "One of the service's API_KEYS, as `Authorization: Bearer <key>`; every "
-            f"operation but {', '.join(sorted(PUBLIC_PATHS))} needs it when API_KEYS is set.",
+            # No `<key>`: the docs' OAD renderer drops it as an HTML tag ("Bearer `;").
+            "description": "One of the service's API_KEYS, as `Authorization: Bearer KEY` (KEY: the key "
+            f"itself); every operation but {', '.join(sorted(PUBLIC_PATHS))} needs it when API_KEYS is set.",
         }
     }
 

@@ -23,6 +23,7 @@ from service.engine.placement import ROUTING_KEY_HEADER, Placement, route_of, ro
 from service.engine.status import ENGINE_DOWN_STATUSES, PROBE_TIMEOUT_SECONDS, EngineStatus
 from service.engine.transport import (
     CONNECT_TIMEOUT_SECONDS,
+    KEEPALIVE_SECONDS,
     GenerateTransport,
     HttpxTransport,
     Reply,
@@ -74,8 +75,14 @@ class AbortQuiet:
 
 
 def make_control_client(timeout_seconds: float) -> httpx.AsyncClient:
-    """The client of the engine's own questions (the router's workers, health): off the hot path."""
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_seconds, connect=CONNECT_TIMEOUT_SECONDS))
+    """The client of the engine's own questions (the router's workers, health): off the hot path.
+    Its idle connections close before the engine's uvicorn closes them (KEEPALIVE_SECONDS)."""
+    limits = httpx.Limits(
+        max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_SECONDS
+    )
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_seconds, connect=CONNECT_TIMEOUT_SECONDS), limits=limits
+    )
 
 
 class EngineError(Exception):

@@ -101,7 +101,12 @@ async def serve_app(app: ASGIApp, host: str = "127.0.0.1") -> AsyncIterator[str]
     """Runs `app` (lifespan included) with uvicorn on a free port; yields its base URL."""
     sock = listen(host, 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, ws="none"))
+    # The tests' clients (httpx, 5 s) reuse connections as run_service's do: the same keep-alive.
+    keep_alive = Settings.model_fields["http_keep_alive_seconds"].default
+    config = uvicorn.Config(
+        app, log_level="warning", log_config=None, ws="none", timeout_keep_alive=keep_alive
+    )
+    server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(STARTUP_TIMEOUT_SECONDS):

@@ -225,7 +225,7 @@ async def kill_run(servers: list[EnvServer], episodes: int) -> dict[str, Any]:
 
 async def main_async(episodes: int, rounds: int, kill_episodes: int, steps: int) -> dict[str, Any]:
     with env_servers(2, max_sessions=episodes) as servers:
-        report: dict[str, Any] = {"servers": 2, "load_average_at_start": os.getloadavg()}
+        report: dict[str, Any] = {"servers": 2, "load_average_at_start": list(os.getloadavg())}
         report["remote"] = await remote_run(servers, episodes, rounds)
         report["baseline_thread"] = await baseline_run("thread", episodes, rounds)
         report["baseline_process"] = await baseline_run("process", episodes, rounds)
@@ -235,7 +235,7 @@ async def main_async(episodes: int, rounds: int, kill_episodes: int, steps: int)
     remote_cpu = report["remote"]["cpu_ms_per_env_call"]
     report["cpu_ratio_vs_thread"] = round(remote_cpu / report["baseline_thread"]["cpu_ms_per_env_call"], 3)
     report["cpu_ratio_vs_process"] = round(remote_cpu / report["baseline_process"]["cpu_ms_per_env_call"], 3)
-    report["load_average_at_end"] = os.getloadavg()
+    report["load_average_at_end"] = list(os.getloadavg())
     return report
 
 

@@ -199,7 +199,10 @@ async def test_finished_and_idle_episodes_take_no_more_calls(
     settings = service_settings(
         # 3 s: with 1 s, a loaded machine (4 test workers on 2 cores) let the played episode time out
         # between its call and its finish (409).
-        database_url, agent_sim[1], external_idle_seconds=3.0, sweep_interval_seconds=0.2
+        database_url,
+        agent_sim[1],
+        external_idle_seconds=3.0,
+        sweep_interval_seconds=0.2,
     )
     async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         done, idle = await open_episodes(http, samples=2)

@@ -9,7 +9,6 @@ import asyncio
 import json
 import re
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -75,13 +74,16 @@ def two_servers() -> Iterator[list[EnvServer]]:
         yield servers
 
 
-def wait_closed(servers: list[EnvServer]) -> None:
+async def wait_closed(servers: list[EnvServer]) -> None:
     """Every server reports 0 sessions open (closing is asynchronous on the server's side, and
-    sessions kept for reuse end after reuse_idle_seconds)."""
-    for _ in range(300):
-        if all(server.sessions()["active"] == 0 for server in servers if server.process.poll() is None):
+    sessions kept for reuse end after reuse_idle_seconds). It waits without blocking the event
+    loop: the service under test runs on it, and its sweeper ends the kept sessions."""
+    live = [server for server in servers if server.process.poll() is None]
+    for _ in range(600):
+        counts = await asyncio.gather(*(asyncio.to_thread(server.sessions) for server in live))
+        if all(count["active"] == 0 for count in counts):
             return
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
     raise AssertionError([server.sessions() for server in servers])
 
 
@@ -142,7 +144,7 @@ async def test_openenv_episodes_run_end_to_end_and_close_their_sessions(
         assert_stored_episode_matches_sim(sim, episode)
     # Least-loaded placement spreads the batch over both servers.
     assert {episode["info"]["env_server"] for episode in episodes} == {s.url for s in two_servers}
-    wait_closed(two_servers)
+    await wait_closed(two_servers)
     ready = (await client.get("/ready")).json()
     assert set(ready["env_servers"].values()) == {"ok"}
     metrics = (await client.get("/metrics")).text
@@ -177,7 +179,7 @@ async def test_the_cap_holds_sessions_per_server_and_placement_is_least_loaded(
         assert fifth.session.server_url == sessions[0].session.server_url  # the freed slot
         for session in [*sessions[1:], fifth]:
             await session.close()
-        wait_closed(two_servers)
+        await wait_closed(two_servers)
     finally:
         await envs.close()
 
@@ -251,7 +253,7 @@ async def test_a_server_killed_mid_batch_fails_its_episodes_as_retryable_and_lea
             assert envs.servers()[f"{ENV} {servers[0].url}"].startswith("down")
             for session in [*sessions, *later]:
                 await session.close()
-            wait_closed(servers[1:])
+            await wait_closed(servers[1:])
         finally:
             await envs.close()
 

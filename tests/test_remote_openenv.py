@@ -140,7 +140,7 @@ async def test_a_session_is_kept_for_the_servers_next_episode_and_ends_when_idle
         call.cancel()
         await session.close()
         assert envs.openenv[ENV].idle.count() == 0
-        wait_closed([counter_server])  # the kept session ended after its idle time
+        await wait_closed([counter_server])  # the kept session ended after its idle time
     finally:
         await envs.close()
 
@@ -167,7 +167,7 @@ async def test_a_shutdown_ends_every_session_on_the_servers(
                     break
                 await asyncio.sleep(0.05)
             assert counter_server.sessions()["active"] >= 4
-    wait_closed([counter_server])
+    await wait_closed([counter_server])
 
 
 async def test_a_dead_servers_episodes_say_which_server_failed_and_how(database_url: str) -> None:

@@ -162,6 +162,16 @@ class EpisodeTokens:
             )
 
 
+@dataclass(frozen=True)
+class Ending:
+    """How an agent (its endpoint's `/finish`) or an env's driver ends a handed-over episode."""
+
+    status: EpisodeStatus
+    reward: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # merged into the episode's info
+    error: str | None = None
+
+
 @dataclass
 class EpisodeResult:
     """A finished episode, as stored. An episode that never got its prompt (it failed first) has

@@ -11,7 +11,7 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from service.agents.errors import EpisodeClosed
 from service.agents.service import AgentSessions
@@ -30,7 +30,7 @@ from service.loop.runner import EpisodeRunner
 from service.loop.tokens import ChatTokenizer, HFTokenizer
 from service.loop.toolcalls import AUTO, format_of_template, get_parser
 from service.metrics import Metrics
-from service.records import EpisodeStatus
+from service.records import Ending
 from service.shared import Lazy
 from service.storage.db import Database
 from service.worker.endings import Endings, ResultsSignal
@@ -158,14 +158,11 @@ async def finish_driven(
     agents: AgentSessions,
     endings: Endings,
     episode_id: str,
-    status: EpisodeStatus,
-    reward: float | None,
-    info: dict[str, Any],
-    error: str | None,
+    ending: Ending,
 ) -> None:
     """An agent-driven env's episode ended by its driver, as its endpoint's `/finish` ends one."""
     try:
-        group, ended = await agents.finish(episode_id, status, reward, info, error)
+        group, ended = await agents.finish(episode_id, ending)
     except EpisodeClosed:
         return  # cancelled, or past its idle deadline, meanwhile
     endings.agent_finished(group, ended)

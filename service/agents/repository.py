@@ -15,7 +15,7 @@ from sqlalchemy import Table, Update, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.loop.tokens import EncodedIds
-from service.records import EpisodeStatus, EpisodeTokens
+from service.records import Ending, EpisodeStatus, EpisodeTokens
 from service.storage import blobs
 from service.storage.agents import EXTERNAL_OWNER
 from service.storage.blobs import TOKEN_BLOBS
@@ -250,10 +250,7 @@ UNPLAYED = "finished before its first call: an episode the model never played is
 async def finish_agent_episode(
     database: Database,
     episode_id: str,
-    status: EpisodeStatus,
-    reward: float | None,
-    info: dict[str, Any],
-    error: str | None,
+    ending: Ending,
 ) -> tuple[tuple[str, int], EpisodeStatus] | None:
     """Ends a waiting external episode as its agent says, unless it made no call: then it ends
     `failed` (a `completed` or `truncated` row without tokens would reach trainers). Returns its
@@ -263,11 +260,12 @@ async def finish_agent_episode(
         row = await _waiting_row(session, episode_id)  # locked: no call stores meanwhile
         if row is None:
             return None
+        status, error = ending.status, ending.error
         if not row.num_turns and status in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED):
             status, error = EpisodeStatus.FAILED, error or UNPLAYED
         row.status = status.value
-        row.reward = reward
-        row.info = {**(row.info or {}), **info}
+        row.reward = ending.reward
+        row.info = {**(row.info or {}), **ending.info}
         row.error = error
         row.lease_owner = None
         row.lease_expires_at = None

@@ -9,7 +9,7 @@ from service.agents.deps import WaitingEpisode, http_errors
 from service.agents.schemas import FinishedOut, FinishEpisode
 from service.api.deps import ServicesDep
 from service.api.errors import Conflict, DatabaseUnavailable, NotFound, responses
-from service.records import EpisodeStatus
+from service.records import Ending, EpisodeStatus
 
 router = APIRouter(tags=["agents"])
 router.include_router(chat_completions.router)  # a protocol: one module, one line here
@@ -28,8 +28,7 @@ async def finish(body: FinishEpisode, services: ServicesDep, episode: WaitingEpi
     An episode that made no call ends `failed` instead of `completed` or `truncated` (the answer's
     `status` says so): the model never played it, so it is no sample."""
     with http_errors:
-        group, status = await services.agents.finish(
-            episode.episode_id, EpisodeStatus(body.status), body.reward, body.info, body.error
-        )
+        ending = Ending(EpisodeStatus(body.status), body.reward, body.info, body.error)
+        group, status = await services.agents.finish(episode.episode_id, ending)
     services.endings.agent_finished(group, status)
     return FinishedOut(episode_id=episode.episode_id, status=status.value)

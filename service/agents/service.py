@@ -26,7 +26,7 @@ from service.agents.repository import (
 )
 from service.agents.session import AgentTurns
 from service.agents.streaming import AnswerStream
-from service.records import EpisodeStatus
+from service.records import Ending, EpisodeStatus
 from service.storage.db import Database
 
 HELD_BYTES = 256 * 1024 * 1024  # token blobs of the episodes a process holds
@@ -149,14 +149,11 @@ class AgentSessions:
     async def finish(
         self,
         episode_id: str,
-        status: EpisodeStatus,
-        reward: float | None,
-        info: dict[str, Any],
-        error: str | None,
+        ending: Ending,
     ) -> tuple[tuple[str, int], EpisodeStatus]:
         """Ends the episode as its agent says (`failed` if it made no call); returns its (batch id,
         group index) and the status it ended with. Raises EpisodeClosed when it already ended."""
-        ended = await finish_agent_episode(self.database, episode_id, status, reward, info, error)
+        ended = await finish_agent_episode(self.database, episode_id, ending)
         self.held.pop(episode_id)
         if ended is None:
             raise EpisodeClosed(f"episode {episode_id!r} already ended")

@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay
 
 from service.envs.base import DriveOutcome, DriveRequest
 from service.envs.errors import EnvError, EnvWorkerCrashed
-from service.records import DEADLINE_NOTE, EpisodeResult, EpisodeSpec, EpisodeStatus
+from service.records import DEADLINE_NOTE, Ending, EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.retries import backoff
 from service.storage.db import Database
 from service.storage.driven import hand_to_agent
@@ -50,14 +50,7 @@ class Drivers(Protocol):
 
 
 class Finish(Protocol):
-    async def __call__(
-        self,
-        episode_id: str,
-        status: EpisodeStatus,
-        reward: float | None,
-        info: dict[str, Any],
-        error: str | None,
-    ) -> None:
+    async def __call__(self, episode_id: str, ending: Ending) -> None:
         """Ends a handed-over episode as its agent's `/finish` does (nothing if it ended already)."""
 
 
@@ -134,10 +127,12 @@ class DrivingRunner:
             status = EpisodeStatus.COMPLETED
         else:
             status = EpisodeStatus.ABORTED if outcome.env_error else EpisodeStatus.FAILED
-        reward = outcome.reward if outcome.error is None else None
-        error = None if outcome.error is None else outcome.error[:10_000]
+        if outcome.error is None:
+            ending = Ending(status, outcome.reward, outcome.info)
+        else:
+            ending = Ending(status, None, outcome.info, outcome.error[:10_000])
         try:
-            await self._finish_with_retries(episode_id, status, reward, outcome.info, error)
+            await self._finish_with_retries(episode_id, ending)
         except Exception as failure:
             if not is_refused(failure):
                 raise
@@ -145,16 +140,9 @@ class DrivingRunner:
             # the episode fails saying so, never rewarded.
             logger.error("driven episode %s: its ending cannot be stored: %s", episode_id, failure)
             refused = f"the driver's ending could not be stored: {failure}"[:2000]
-            await self._finish_with_retries(episode_id, EpisodeStatus.FAILED, None, {}, refused)
+            await self._finish_with_retries(episode_id, Ending(EpisodeStatus.FAILED, error=refused))
 
-    async def _finish_with_retries(
-        self,
-        episode_id: str,
-        status: EpisodeStatus,
-        reward: float | None,
-        info: dict[str, Any],
-        error: str | None,
-    ) -> None:
+    async def _finish_with_retries(self, episode_id: str, ending: Ending) -> None:
         """Through a database outage, as the worker holds a result (past FINISH_RETRY_SECONDS the
         episode fails at its idle deadline, EXTERNAL_IDLE_SECONDS, never rewarded)."""
         retrying = AsyncRetrying(
@@ -165,4 +153,4 @@ class DrivingRunner:
         )
         async for attempt in retrying:
             with attempt:
-                await self.finish(episode_id, status, reward, info, error)
+                await self.finish(episode_id, ending)

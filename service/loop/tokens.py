@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, overload
 
 import orjson
+from cachetools import LRUCache
 
 from service.records import EpisodeTokens
 
@@ -177,8 +178,10 @@ class ChatTokenizer:
         # (role, name) -> the text around a message's content, or None where the template does
         # not render the content verbatim (it trims or escapes it): see message_ids.
         self._message_texts: dict[tuple[str, str | None], tuple[str, str] | None] = {}
-        self._prompts: dict[tuple[str, str, str], list[int]] = {}  # see prompt_ids
-        self._prompt_encodings: dict[tuple[str, str, str], EncodedIds] = {}  # see prompt
+        # A group's samples share their prompt: its ids and their engine JSON, made once (see prompt).
+        self._prompts: LRUCache[tuple[str, str, str], tuple[list[int], EncodedIds]]
+        self._prompts = LRUCache(PROMPT_CACHE_SIZE)
+        self._conversations: LRUCache[str, list[int]] = LRUCache(PROMPT_CACHE_SIZE)  # see conversation_ids
         self._message_ids: dict[tuple[str, str | None, str], list[int]] = {}  # see message_ids
         # Only what follows the assistant's content is taken from the template: thinking templates
         # (Qwen3) render the text before it differently once later messages exist, but never
@@ -258,26 +261,18 @@ class ChatTokenizer:
         samples share it (encoding a tool-laden prompt's ids was an episode's dearest turn)."""
         # orjson: json.dumps of a tau-bench-sized tool list was 1% of the CPU at 2,000 in flight.
         key = (system_prompt, orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode(), first_message)
-        ids = self._prompts.get(key)
-        if ids is None:
+        cached = self._prompts.get(key)
+        if cached is None:
             messages = [
                 {"role": "system", "content": system_prompt},
                 {"role": "user", "content": first_message},
             ]
-            ids = self._prompts[key] = self.encode(
-                self.render(messages, tools=tools, add_generation_prompt=True)
-            )
-            while len(self._prompts) > PROMPT_CACHE_SIZE:
-                oldest = next(iter(self._prompts))
-                del self._prompts[oldest]
-                self._prompt_encodings.pop(oldest, None)
+            first = Trajectory(self.encode(self.render(messages, tools=tools, add_generation_prompt=True)))
+            first.input_ids_json()
+            cached = self._prompts[key] = (first.prompt_ids, first.encoded())
+        ids, encoded = cached
         trajectory = Trajectory(list(ids))
-        encoded = self._prompt_encodings.get(key)
-        if encoded is None:
-            trajectory.input_ids_json()
-            self._prompt_encodings[key] = trajectory.encoded()
-        else:
-            trajectory.continue_encoding(encoded)
+        trajectory.continue_encoding(encoded)
         return trajectory
 
     def conversation_ids(
@@ -285,16 +280,14 @@ class ChatTokenizer:
     ) -> list[int]:
         """A whole conversation as the template renders it, with the next generation header, and
         nothing of this service's own (no tool instruction): an external agent's prompt. The
-        samples of a group share theirs: it is rendered once (the cache of prompt_ids)."""
-        key = ("", json.dumps([messages, tools], sort_keys=True), "conversation")
-        ids = self._prompts.get(key)
+        samples of a group share theirs: it is rendered once."""
+        key = json.dumps([messages, tools], sort_keys=True)
+        ids = self._conversations.get(key)
         if ids is None:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=True
             )
-            ids = self._prompts[key] = self.encode(str(text))
-            while len(self._prompts) > PROMPT_CACHE_SIZE:
-                del self._prompts[next(iter(self._prompts))]  # the oldest
+            ids = self._conversations[key] = self.encode(str(text))
         return list(ids)
 
     def closing_ids(self, sampled_ids: list[int]) -> list[int]:

@@ -242,9 +242,52 @@ async def finish_episode(
         return stored.first() is not None
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A result to store under the lease it was run with: (episode_id, attempt) is its fence."""
+
+    episode_id: str
+    attempt: int
+    result: EpisodeResult
+
+
+async def finish_episodes(
+    session: AsyncSession, worker_id: str, finished: Sequence[Finished], *, now: datetime | None = None
+) -> list[bool]:
+    """Store several results in the caller's transaction, each only if its episode still runs under
+    (`worker_id`, its attempt): one fence read, which on PostgreSQL locks the rows it finds (FOR
+    UPDATE) until the transaction ends, then one executemany of the rows it found. On SQLite the
+    writer's transaction holds the file's write lock from its BEGIN IMMEDIATE, so no row changes in
+    between there either. Returns, in order, whether each was stored; an (episode, attempt) given
+    twice is stored once, as finish_episode would.
+    """
+    if not finished:
+        return []
+    params = {"owner": worker_id, "now": now or utcnow()}
+    owned: set[tuple[str, int]] = set()
+    for chunk in _chunks(sorted({item.episode_id for item in finished})):
+        rows = await session.execute(_FENCE, {"owner": worker_id, "episodes": chunk})
+        owned.update((row.id, row.attempt) for row in rows)
+    stored: list[bool] = []
+    rows_to_write: list[dict[str, Any]] = []
+    for item in finished:
+        fence = (item.episode_id, item.attempt)
+        stored.append(fence in owned)
+        if fence in owned:
+            owned.discard(fence)  # given twice: the second finds it finished
+            values = {f"result_{name}": value for name, value in _result_columns(item.result).items()}
+            rows_to_write.append(params | {"episode": item.episode_id, "fence": item.attempt} | values)
+    if rows_to_write:
+        await session.execute(_FINISH_MANY, rows_to_write)
+    return stored
+
+
+_EPISODES: Table = Episode.__table__  # type: ignore[assignment]  # a declarative model's Table
+
+
 def _finish_statement() -> Update:
     """The result write, built once: one per finished episode is the queue's hottest statement."""
-    table: Table = Episode.__table__  # type: ignore[assignment]  # a declarative model's Table
+    table = _EPISODES
     columns = {name: table.c[name] for name in _result_columns(EpisodeResult.failed(""))}
     return (
         update(table)
@@ -261,11 +304,22 @@ def _finish_statement() -> Update:
                 table.c.finished_at: bindparam("now", type_=table.c.finished_at.type),
             }
         )
-        .returning(table.c.id)
     )
 
 
-_FINISH = _finish_statement()
+_FINISH_MANY = _finish_statement()  # an executemany: the fence read before it found its rows
+_FINISH = _FINISH_MANY.returning(_EPISODES.c.id)
+# Rows locked in id order: two transactions locking some of the same rows cannot deadlock on them.
+_FENCE = (
+    select(Episode.id, Episode.attempt)
+    .where(
+        Episode.id.in_(bindparam("episodes", expanding=True)),
+        Episode.status == _RUNNING,
+        Episode.lease_owner == bindparam("owner"),
+    )
+    .order_by(Episode.id)
+    .with_for_update()
+)
 
 
 async def release_episodes(

@@ -29,6 +29,7 @@ from service.storage import agents, engine_state, queue
 from service.storage.db import Database
 from service.storage.errors import is_refused, is_transient
 from service.storage.queue import ClaimedEpisode
+from service.storage.results import ResultWrites
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,6 +79,7 @@ class EpisodeWorker:
         self.on_finished = on_finished
         self.engine_status = engine_status  # while it says the engine is down, nothing is claimed
         self.worker_id = worker_id or new_worker_id()
+        self.results = ResultWrites(self.writes, self.worker_id)  # stored together when finished together
         self.running: dict[str, _Running] = {}
         self._writes: set[asyncio.Future[bool]] = set()  # result writes under way (shielded)
         self._stopping = asyncio.Event()
@@ -239,7 +241,7 @@ class EpisodeWorker:
             return released > 0
 
         def finish(result: EpisodeResult) -> Awaitable[bool]:
-            return queue.finish_episode(self.writes, self.worker_id, claim.id, claim.attempt, result)
+            return self.results.finish(claim.id, claim.attempt, result)
 
         try:
             stored = await self._with_retries(claim, lambda: finish(result))

@@ -1,0 +1,176 @@
+"""Results stored together (service/storage/results.py), on both backends: one block for the
+results that arrive together, each still fenced by its lease, and a batch that fails falls back to
+one write per result so the others' results are stored."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import event, select, update
+from sqlalchemy.exc import DBAPIError, StatementError
+
+from service.records import EpisodeResult
+from service.storage.db import Database, utcnow
+from service.storage.models import Episode
+from service.storage.queue import (
+    Finished,
+    claim_episodes,
+    finish_episode,
+    finish_episodes,
+    release_episodes,
+    requeue_expired,
+)
+from service.storage.results import ResultWrites
+from tests.test_storage import LEASE_SECONDS, enqueue, outcome
+
+
+class Statements:
+    """Counts the statements run on `db`'s engine, and the executemany ones among them."""
+
+    def __init__(self, db: Database) -> None:
+        self._engine = db.engine.sync_engine
+        self.updates: list[int] = []  # rows per UPDATE execution
+        event.listen(self._engine, "before_cursor_execute", self._seen)
+
+    def _seen(self, conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        if statement.lstrip().upper().startswith("UPDATE EPISODES"):
+            self.updates.append(len(params) if many else 1)
+
+    def close(self) -> None:
+        event.remove(self._engine, "before_cursor_execute", self._seen)
+
+
+async def stored_rows(db: Database, ids: list[str]) -> dict[str, tuple[str, int | None]]:
+    async with db.reader() as session:
+        rows = await session.execute(
+            select(Episode.id, Episode.status, Episode.num_turns).where(Episode.id.in_(ids))
+        )
+        return {row.id: (row.status, row.num_turns) for row in rows}
+
+
+async def test_results_finished_together_are_stored_by_one_executemany(db: Database) -> None:
+    await enqueue(db, groups=4, samples=8)
+    claims = await claim_episodes(db.writer, "w1", 32, LEASE_SECONDS)
+    writes = ResultWrites(db.writer, "w1")
+    statements = Statements(db)
+    try:
+        stored = await asyncio.gather(*(writes.finish(c.id, c.attempt, outcome(length=4)) for c in claims))
+    finally:
+        statements.close()
+    assert stored == [True] * 32
+    assert statements.updates == [32]  # one statement for all 32, not 32 statements
+    rows = await stored_rows(db, [c.id for c in claims])
+    assert set(rows.values()) == {("completed", 1)}
+
+
+async def test_a_lost_lease_is_not_overwritten_in_a_batch(db: Database) -> None:
+    await enqueue(db, groups=1, samples=5)
+    claims = await claim_episodes(db.sessionmaker, "w1", 5, LEASE_SECONDS)
+    released, stale, other_owner, finished_first, kept = claims
+    # None of the first four is this batch's to write: one re-queued when its lease expired and
+    # claimed again (attempt 1), one released back to the queue, one re-leased to another worker,
+    # one already finished.
+    async with db.sessionmaker.begin() as session:
+        far = utcnow() + timedelta(seconds=10 * LEASE_SECONDS)
+        await session.execute(update(Episode).where(Episode.id != stale.id).values(lease_expires_at=far))
+    assert await requeue_expired(db.sessionmaker, 5, now=utcnow() + timedelta(seconds=2 * LEASE_SECONDS)) == 1
+    (again,) = await claim_episodes(db.sessionmaker, "w1", 1, LEASE_SECONDS)
+    assert (again.id, again.attempt) == (stale.id, 1)
+    assert await release_episodes(db.sessionmaker, "w1", [released.id]) == 1
+    async with db.sessionmaker.begin() as session:
+        await session.execute(update(Episode).where(Episode.id == other_owner.id).values(lease_owner="w2"))
+    first = finished_first
+    assert await finish_episode(db.sessionmaker, "w1", first.id, first.attempt, outcome(length=2))
+
+    writes = ResultWrites(db.writer, "w1")
+    results = await asyncio.gather(*(writes.finish(c.id, c.attempt, outcome(length=9)) for c in claims))
+    assert results == [False, False, False, False, True]
+    rows = await stored_rows(db, [c.id for c in claims])
+    assert rows[released.id] == ("queued", None)
+    assert rows[stale.id] == ("running", None)  # attempt 1 runs on; attempt 0's result is fenced out
+    assert rows[other_owner.id] == ("running", None)
+    assert rows[kept.id] == ("completed", 1)
+    async with db.reader() as session:
+        row = await session.get(Episode, first.id)
+        assert row is not None and row.status == "completed" and len(row.loss_mask or b"") == 2  # not 9
+    assert await writes.finish(again.id, again.attempt, outcome()) is True  # attempt 1, under its lease
+
+
+async def test_the_same_result_given_twice_is_stored_once(db: Database) -> None:
+    await enqueue(db, groups=1, samples=1)
+    (claim,) = await claim_episodes(db.sessionmaker, "w1", 1, LEASE_SECONDS)
+    twice = [
+        Finished(claim.id, claim.attempt, outcome(length=3)),
+        Finished(claim.id, claim.attempt, outcome(length=7)),
+    ]
+    async with db.sessionmaker.begin() as session:
+        assert await finish_episodes(session, "w1", twice) == [True, False]
+    async with db.reader() as session:
+        row = await session.get(Episode, claim.id)
+        assert row is not None and len(row.loss_mask or b"") == 3
+
+
+async def test_a_failing_batch_falls_back_to_one_write_per_result(db: Database) -> None:
+    await enqueue(db, groups=1, samples=6)
+    claims = await claim_episodes(db.writer, "w1", 6, LEASE_SECONDS)
+    unencodable = EpisodeResult(outcome().status, 1.0, None, [], {"not json": object()})
+    results = [unencodable if index == 2 else outcome(length=4) for index in range(6)]
+    writes = ResultWrites(db.writer, "w1")
+    statements = Statements(db)
+    try:
+        stored = await asyncio.gather(
+            *(writes.finish(c.id, c.attempt, result) for c, result in zip(claims, results, strict=True)),
+            return_exceptions=True,
+        )
+    finally:
+        statements.close()
+    assert isinstance(stored[2], StatementError)  # its own error, to its own caller
+    assert [value for index, value in enumerate(stored) if index != 2] == [True] * 5
+    assert statements.updates == [1] * 5  # the batch failed as it was built: then one by one
+    rows = await stored_rows(db, [c.id for c in claims])
+    assert rows.pop(claims[2].id) == ("running", None)  # nothing of it written: still its lease's
+    assert set(rows.values()) == {("completed", 1)}
+    # Its caller stores what it can (the worker stores a failed result saying why): the lease holds.
+    assert await writes.finish(claims[2].id, claims[2].attempt, EpisodeResult.failed("unstorable")) is True
+
+
+async def test_a_batch_the_database_refuses_midway_is_rolled_back_then_stored_one_by_one(
+    db: Database, backend: str
+) -> None:
+    if backend != "postgres":
+        pytest.skip(
+            "SQLite stores any JSON text; PostgreSQL's json type refuses NaN, which json.dumps writes"
+        )
+    await enqueue(db, groups=1, samples=6)
+    claims = await claim_episodes(db.writer, "w1", 6, LEASE_SECONDS)
+    refused = EpisodeResult(outcome().status, 1.0, None, [], {"reward": float("nan")})
+    results = [refused if index == 4 else outcome(length=4) for index in range(6)]
+    writes = ResultWrites(db.writer, "w1")
+    statements = Statements(db)
+    try:
+        stored = await asyncio.gather(
+            *(writes.finish(c.id, c.attempt, result) for c, result in zip(claims, results, strict=True)),
+            return_exceptions=True,
+        )
+    finally:
+        statements.close()
+    assert isinstance(stored[4], DBAPIError) and "json" in str(stored[4])  # its own error, to its own caller
+    assert [value for index, value in enumerate(stored) if index != 4] == [True] * 5
+    assert statements.updates == [6] + [1] * 6  # the batch ran and was refused: then one by one
+    rows = await stored_rows(db, [c.id for c in claims])
+    assert rows.pop(claims[4].id) == ("running", None)
+    assert set(rows.values()) == {("completed", 1)}
+
+
+async def test_a_closed_writer_fails_every_waiting_result(db: Database) -> None:
+    await enqueue(db, groups=1, samples=3)
+    claims = await claim_episodes(db.writer, "w1", 3, LEASE_SECONDS)
+    await db.writer.aclose()
+    writes = ResultWrites(db.writer, "w1")
+    with pytest.raises(RuntimeError, match="closed"):
+        await asyncio.gather(*(writes.finish(c.id, c.attempt, outcome()) for c in claims))
+    rows = await stored_rows(db, [c.id for c in claims])
+    assert set(rows.values()) == {("running", None)}

@@ -22,7 +22,7 @@ from service.app import create_app
 from service.envs.base import RESPOND_ACTION_NAME, Action
 from service.envs.errors import EnvError
 from service.envs.remote.config import RemoteEnvConfig, env_spec, parse_remote_envs
-from service.envs.remote.errors import EnvServerTimeout
+from service.envs.remote.errors import EnvServerDown, EnvServerTimeout
 from service.envs.remote.nemo_gym_data import DatasetRows, policy_view
 from service.envs.remote.opener import RemoteEnvs
 from service.serving import serve_app
@@ -244,6 +244,20 @@ async def test_a_refused_seed_is_retried_on_another_server_and_a_bad_row_aborts(
             await session.close()
     finally:
         await envs.close()
+    # No server left to try: the error names the server and what failed, as OpenEnv's do.
+    envs = remote_envs([dead], dataset, reset_retries=1, retry_backoff_seconds=0.01)
+    try:
+        session = await envs.open(ENV, "train", "e")
+        with pytest.raises(
+            EnvServerDown,
+            match=rf"^no server of '{ENV}' took the episode after 2 tries; last: "
+            rf"{re.escape(dead)} \({ENV}\) refused the connection during seed_session; ",
+        ):
+            await session.reset(0)
+        await session.close()
+        assert envs.pools[ENV].servers[0].errors == {"connect": 2}
+    finally:
+        await envs.close()
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"responses_create_params": {"input": [{"role": "tool", "content": "x"}]}}))
     envs = remote_envs([two_servers[1].url], bad)
@@ -265,7 +279,11 @@ async def test_a_timed_out_tool_call_is_not_resent_and_fails_as_infrastructure(
         session = await envs.open(ENV, "train", "e")
         await session.reset(0)
         calls = stats(two_servers[0])["calls"]
-        with pytest.raises(EnvServerTimeout, match=r"did not answer within 0\.5 s"):
+        with pytest.raises(
+            EnvServerTimeout,
+            match=rf"^{re.escape(two_servers[0].url)} \({ENV}\) did not answer within 0\.5 s "
+            r"during step 'slow'$",
+        ):
             await session.step(Action("slow", {"seconds": 1.5}))
         await session.close()
         await asyncio.sleep(0.5)

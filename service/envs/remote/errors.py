@@ -13,6 +13,7 @@ class EnvServerDown(EnvWorkerCrashed):
 
     what = "env server failed"
     how = ""  # what the server did ("refused the connection during reset"), where known
+    kind = "connect"  # the pool's error kind (pool.ERROR_KINDS) of the failed call
 
 
 class EnvServerTimeout(EnvServerDown):
@@ -37,6 +38,8 @@ def describe_failure(kind: str, error: BaseException, timeout_seconds: float) ->
         return f"did not answer within {timeout_seconds:g} s"
     if kind == "closed":
         return f"closed the connection ({type(error).__name__}: {error})"
+    if kind == "capacity":
+        return f"had no room for a session ({error})"
     if kind == "connect":
         seen: BaseException | None = error
         while seen is not None:
@@ -55,4 +58,5 @@ def server_failure(
     how = f"{describe_failure(kind, error, timeout_seconds)} during {doing}"
     failure = cls(f"{server_url} ({env}) {how}")
     failure.how = how
+    failure.kind = kind
     return failure

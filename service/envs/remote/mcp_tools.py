@@ -18,8 +18,8 @@ from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
 from service.envs.checks import check_reset
 from service.envs.plugins import load_function
 from service.envs.remote.config import RemoteEnvConfig
-from service.envs.remote.errors import EnvServerDown, EnvServerTimeout
-from service.envs.remote.pool import PoolMetrics, Server, ServerPool, backoff
+from service.envs.remote.errors import server_failure
+from service.envs.remote.pool import PoolMetrics, Server, ServerPool
 
 
 class McpTasks(Protocol):
@@ -82,40 +82,29 @@ class McpEnv:
 
     async def open(self, split: str, episode_key: str) -> McpSession:
         """An MCP session on the least-loaded healthy server (retried elsewhere with jitter while
-        it fails to connect: nothing has happened yet), its tools listed."""
-        last: BaseException | None = None
-        tried: set[str] = set()
-        for attempt in range(self.config.reset_retries + 1):
-            if attempt:
-                await backoff(attempt - 1, self.config.retry_backoff_seconds)
-            server = await self.pool.acquire(frozenset(tried))
-            tried.add(server.url)
+        it fails to connect: nothing has happened yet; ServerPool.place), its tools listed."""
+        config = self.config
+
+        async def attempt(server: Server) -> McpSession:
             stack = AsyncExitStack()
             try:
-                async with (
-                    asyncio.timeout(self.config.connect_timeout_seconds),
-                    self.pool.call(server, "open"),
-                ):
+                async with asyncio.timeout(config.connect_timeout_seconds), self.pool.call(server, "open"):
                     client = await stack.enter_async_context(
-                        Client(self._target(server), read_timeout_seconds=self.config.call_timeout_seconds)
+                        Client(self._target(server), read_timeout_seconds=config.call_timeout_seconds)
                     )
                     listed = await client.list_tools()
-            except Exception as error:
+            except BaseException as error:
                 await _close(stack)
-                await self.pool.release(server)
-                self.pool.failed(
-                    server, "timeout" if isinstance(error, TimeoutError) else "connect", str(error)
-                )
-                last = error
-                continue
-            except BaseException:
-                await _close(stack)
-                await self.pool.release(server)
-                raise
+                if not isinstance(error, Exception):
+                    raise
+                kind = "timeout" if isinstance(error, TimeoutError) else "connect"
+                raise server_failure(
+                    server.url, config.name, "open", kind, error, config.connect_timeout_seconds
+                ) from error
             return McpSession(self, server, stack, client, [function_schema(t) for t in listed.tools], split)
-        raise EnvServerDown(
-            f"no MCP server of {self.config.name!r} answered after {self.config.reset_retries + 1} tries "
-            f"(last: {type(last).__name__}: {last}); {self.pool.describe()}"
+
+        return await self.pool.place(
+            attempt, retries=config.reset_retries, backoff_seconds=config.retry_backoff_seconds
         )
 
 
@@ -163,15 +152,14 @@ class McpSession:
         try:
             async with pool.call(server, "step"), asyncio.timeout(self.env.config.call_timeout_seconds):
                 result = await self.client.call_tool(action.name, dict(action.kwargs))
-        except TimeoutError as error:
-            pool.failed(server, "timeout", str(error))
-            raise EnvServerTimeout(
-                f"tool {action.name!r} on MCP server {server.url} did not answer within "
-                f"{self.env.config.call_timeout_seconds:g} s"
-            ) from error
         except Exception as error:
-            pool.failed(server, "closed", str(error))
-            raise EnvServerDown(f"tool {action.name!r} on MCP server {server.url}: {error}") from error
+            kind = "timeout" if isinstance(error, TimeoutError) else "closed"
+            config = self.env.config
+            failure = server_failure(
+                server.url, config.name, f"step {action.name!r}", kind, error, config.call_timeout_seconds
+            )
+            pool.failed(server, kind, failure.how)
+            raise failure from error
         text = result_text(result)
         self.calls.append(
             {

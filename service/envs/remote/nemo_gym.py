@@ -29,9 +29,9 @@ import httpx
 from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
 from service.envs.errors import EnvError
 from service.envs.remote.config import RemoteEnvConfig
-from service.envs.remote.errors import EnvServerDown, EnvServerError, EnvServerTimeout
+from service.envs.remote.errors import EnvServerDown, EnvServerError, server_failure
 from service.envs.remote.nemo_gym_data import DatasetRows, policy_view
-from service.envs.remote.pool import PoolMetrics, Server, ServerPool, backoff
+from service.envs.remote.pool import PoolMetrics, Server, ServerPool
 
 # Statuses of a seed that did not take effect (the server or a proxy before it took nothing):
 # retried on another server.
@@ -102,46 +102,42 @@ class NemoGymEnv:
 
     async def seed(self, row: dict[str, Any]) -> tuple[Server, dict[str, str]]:
         """A seeded session on the least-loaded healthy server: (its server, its cookies). A seed
-        that did not answer is retried on another server with jitter: nothing of the episode has
-        happened yet, and a session seeded there is never reached without its cookie."""
+        that did not answer is retried on another server with jitter (ServerPool.place): nothing
+        of the episode has happened yet, and a session seeded there is never reached without its
+        cookie."""
         body = json.dumps(row)
-        tried: set[str] = set()
-        last = ""
-        for attempt in range(self.config.reset_retries + 1):
-            if attempt:
-                await backoff(attempt - 1, self.config.retry_backoff_seconds)
-            server = await self.pool.acquire(frozenset(tried))
-            tried.add(server.url)
+        config = self.config
+
+        async def attempt(server: Server) -> tuple[Server, dict[str, str]]:
             try:
                 async with self.pool.call(server, "open"):
                     response = await self.http.post(
                         f"{server.url}/seed_session", content=body, headers=JSON_HEADERS
                     )
             except httpx.TransportError as error:
-                await self.pool.release(server)
-                self.pool.failed(server, failure_kind(error), str(error) or type(error).__name__)
-                last = f"{type(error).__name__}: {error}"
-                continue
-            except BaseException:
-                await self.pool.release(server)
-                raise
+                raise self.failure(server, "seed_session", failure_kind(error), error) from error
             if response.status_code in NOT_SEEDED_STATUSES:
-                await self.pool.release(server)
-                self.pool.failed(server, "capacity", f"HTTP {response.status_code}")
-                last = f"HTTP {response.status_code}: {response.text[:200]}"
-                continue
+                answer = Exception(f"HTTP {response.status_code}: {response.text[:200]}")
+                raise server_failure(
+                    server.url, config.name, "seed_session", "capacity", answer, config.call_timeout_seconds
+                )
             if response.is_error:
-                await self.pool.release(server)
                 self.pool.failed(server, "server", f"HTTP {response.status_code}")
                 raise EnvServerError(
                     f"seed_session on env server {server.url}: HTTP {response.status_code}: "
                     f"{response.text[:1000]}"
                 )
             return server, set_cookies(response)
-        raise EnvServerDown(
-            f"no env server of {self.config.name!r} seeded the episode after "
-            f"{self.config.reset_retries + 1} tries (last: {last}); {self.pool.describe()}"
+
+        return await self.pool.place(
+            attempt, retries=config.reset_retries, backoff_seconds=config.retry_backoff_seconds
         )
+
+    def failure(self, server: Server, doing: str, kind: str, error: BaseException) -> EnvServerDown:
+        """The infrastructure error of a call that failed in transit, as OpenEnv's read (a timeout
+        is a call's: a connect that timed out is a failure of kind "connect")."""
+        config = self.config
+        return server_failure(server.url, config.name, doing, kind, error, config.call_timeout_seconds)
 
     async def close(self) -> None:
         await self.pool.close()
@@ -188,7 +184,9 @@ class NemoGymSession:
             }
         )
         # A tool call may have changed the server's state: never re-sent.
-        response = await self._post(f"/{quote(action.name, safe='')}", "step", action.kwargs)
+        response = await self._post(
+            f"/{quote(action.name, safe='')}", "step", f"step {action.name!r}", action.kwargs
+        )
         self.output.append({"type": "function_call_output", "call_id": call_id, "output": response.text})
         return Step(observation=response.text, reward=0.0, done=False)
 
@@ -202,7 +200,7 @@ class NemoGymSession:
                 "content": [{"type": "output_text", "text": answer, "annotations": []}],
             }
         )
-        response = await self._post("/verify", "verify", {**self.row, "response": self.response()})
+        response = await self._post("/verify", "verify", "verify", {**self.row, "response": self.response()})
         if response.is_error:
             raise EnvServerError(
                 f"verify on env server {self.where()}: HTTP {response.status_code}: {response.text[:1000]}"
@@ -236,7 +234,7 @@ class NemoGymSession:
     def where(self) -> str:
         return self.server.url if self.server is not None else "(none)"
 
-    async def _post(self, path: str, kind: str, payload: Any) -> httpx.Response:
+    async def _post(self, path: str, kind: str, doing: str, payload: Any) -> httpx.Response:
         """One call on the episode's server with its cookies; a call that fails in transit is
         infrastructure (the server is down or timed out) and is not re-sent."""
         server, pool = self.server, self.env.pool
@@ -248,17 +246,15 @@ class NemoGymSession:
                     f"{server.url}{path}", content=json.dumps(payload), headers=headers
                 )
         except httpx.TransportError as error:
-            failure = failure_kind(error)
-            pool.failed(server, failure, str(error) or type(error).__name__)
-            where = f"{kind} {path} on env server {server.url}"
-            if failure == "timeout":
-                raise EnvServerTimeout(
-                    f"{where} did not answer within {self.env.config.call_timeout_seconds:g} s"
-                ) from error
-            raise EnvServerDown(f"{where} failed: {type(error).__name__}: {error}") from error
+            failure = self.env.failure(server, doing, failure_kind(error), error)
+            pool.failed(server, failure.kind, failure.how)
+            raise failure from error
         if response.status_code in GATEWAY_STATUSES:
-            pool.failed(server, "connect", f"HTTP {response.status_code} from a proxy")
-            raise EnvServerDown(f"{kind} {path} on env server {server.url}: HTTP {response.status_code}")
+            # A proxy in front of a server that is not there: as a refused connection.
+            answer = ConnectionError(f"HTTP {response.status_code} from a proxy")
+            failure = self.env.failure(server, doing, "connect", answer)
+            pool.failed(server, failure.kind, failure.how)
+            raise failure
         self.cookies.update(set_cookies(response))
         return response
 

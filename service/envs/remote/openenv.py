@@ -20,7 +20,7 @@ from websockets.protocol import State
 
 from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
 from service.envs.remote.config import RemoteEnvConfig
-from service.envs.remote.errors import EnvServerDown, EnvServerError, server_failure
+from service.envs.remote.errors import EnvServerError, server_failure
 from service.envs.remote.openenv_actions import (
     ActionSpace,
     call_tool_payload,
@@ -28,7 +28,7 @@ from service.envs.remote.openenv_actions import (
     tool_result_text,
 )
 from service.envs.remote.openenv_idle import IdleSessions
-from service.envs.remote.pool import Server, ServerPool, backoff
+from service.envs.remote.pool import Server, ServerPool
 
 # The server's error codes (openenv WSErrorCode) of a session that was never made: safe to retry.
 NOT_STARTED_CODES = frozenset({"CAPACITY_REACHED", "FACTORY_ERROR", "SESSION_ERROR"})
@@ -229,7 +229,7 @@ class OpenEnvEnv:
         """A session on the least-loaded healthy server, reset with the task, its tools listed. A
         connect or reset that did not take effect (refused, no capacity, the connection dropped
         before the answer: the server's session dies with it) is retried on another server with
-        jitter; a kept session the server has since ended is replaced at once."""
+        jitter (ServerPool.place); a kept session the server has since ended is replaced at once."""
         config = self.config
         data = {
             **config.reset_kwargs,
@@ -238,55 +238,58 @@ class OpenEnvEnv:
             "split": split,
             "episode_id": episode_key,
         }
-        tried: set[str] = set()
-        last = "no server tried"
-        attempt = 0
-        while attempt <= config.reset_retries:
-            server = await self.pool.acquire(frozenset(tried))
-            client = self.idle.take(server)
-            reused = client is not None
-            client = client or self._new_client(server)
-            doing = "the /schema request"
-            try:
-                actions = await self._learn_actions(server)
-                doing = "reset"
-                with self.pool.call(server, "reset" if reused else "open"):
-                    reset = await client.reset(**data)
-                if client.tools is None:
-                    doing = "the tool list"
-                    with self.pool.call(server, "list_tools"):
-                        client.tools = await actions.tools(client)
-            except BaseException as error:
-                await close_client(client, config.connect_timeout_seconds)
-                await self.pool.release(server)
-                if not isinstance(error, Exception):
-                    raise
-                kind, code = classify(error)
-                if reused and kind in ("closed", "connect"):
+
+        async def attempt(server: Server) -> OpenEnvSession:
+            while (client := self.idle.take(server)) is not None:
+                try:
+                    return await self._open_on(server, client, data, reused=True)
+                except _KeptSessionEnded:
                     continue  # the server ended the kept session: not the server's failure
-                if kind == "server" and code not in NOT_STARTED_CODES:
-                    self.pool.failed(server, kind, str(error))
-                    raise EnvServerError(f"{doing} on env server {server.url}: {error}") from error
-                failure = server_failure(
-                    server.url, config.name, doing, kind, error, config.connect_timeout_seconds
-                )
-                self.pool.failed(server, kind, failure.how)
-                tried.add(server.url)
-                last = str(failure)
-                attempt += 1
-                if attempt <= config.reset_retries:
-                    await backoff(attempt - 1, config.retry_backoff_seconds)
-                continue
-            session = OpenEnvSession(self, server, client, opened_reset(reset, server))
-            session.reward = float(reset.reward or 0.0)
-            return session
-        raise EnvServerDown(
-            f"no server of {config.name!r} took the episode after {config.reset_retries + 1} tries; "
-            f"last: {last}; {self.pool.describe()}"
+            return await self._open_on(server, self._new_client(server), data, reused=False)
+
+        return await self.pool.place(
+            attempt, retries=config.reset_retries, backoff_seconds=config.retry_backoff_seconds
         )
+
+    async def _open_on(
+        self, server: Server, client: SessionClient, data: dict[str, Any], reused: bool
+    ) -> OpenEnvSession:
+        """A session reset with the task on `client` (a kept session or a new one), its tools
+        listed; the client is closed if that fails (EnvServerDown where it did not take effect)."""
+        config = self.config
+        doing = "the /schema request"
+        try:
+            actions = await self._learn_actions(server)
+            doing = "reset"
+            with self.pool.call(server, "reset" if reused else "open"):
+                reset = await client.reset(**data)
+            if client.tools is None:
+                doing = "the tool list"
+                with self.pool.call(server, "list_tools"):
+                    client.tools = await actions.tools(client)
+        except BaseException as error:
+            await close_client(client, config.connect_timeout_seconds)
+            if not isinstance(error, Exception):
+                raise
+            kind, code = classify(error)
+            if reused and kind in ("closed", "connect"):
+                raise _KeptSessionEnded from error
+            if kind == "server" and code not in NOT_STARTED_CODES:
+                self.pool.failed(server, kind, str(error))
+                raise EnvServerError(f"{doing} on env server {server.url}: {error}") from error
+            raise server_failure(
+                server.url, config.name, doing, kind, error, config.connect_timeout_seconds
+            ) from error
+        session = OpenEnvSession(self, server, client, opened_reset(reset, server))
+        session.reward = float(reset.reward or 0.0)
+        return session
 
     async def close(self) -> None:
         await self.idle.close()
+
+
+class _KeptSessionEnded(Exception):
+    """A kept session's connection was gone when its next episode reset it."""
 
 
 def opened_reset(reset: Any, server: Server) -> Reset:

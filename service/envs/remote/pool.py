@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -21,6 +22,7 @@ from service.envs.remote.errors import EnvServerDown
 logger = logging.getLogger(__name__)
 
 CALL_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+T = TypeVar("T")
 HEALTH_FAILURES = 3  # health checks failed in a row before a server leaves placement
 ERROR_KINDS = ("connect", "timeout", "closed", "capacity", "server")
 
@@ -232,6 +234,36 @@ class ServerPool:
 
     def describe(self) -> str:
         return "; ".join(f"{s.url} {s.describe()} ({s.sessions}/{s.cap} sessions)" for s in self.servers)
+
+    async def place(
+        self, attempt: Callable[[Server], Awaitable[T]], *, retries: int, backoff_seconds: float
+    ) -> T:
+        """`attempt(server)` on a slot of the least-loaded healthy server, tried `retries + 1` times
+        at most, each on a server not tried yet while there is one, with full jitter between. The
+        slot stays held once an attempt returns. An attempt that raises EnvServerDown (made by
+        errors.server_failure: the call did not take effect) frees its slot, counts as a failure
+        of its kind on the server, and is tried again; any other exception frees the slot and ends
+        the placement. EnvServerDown once every try failed."""
+        tried: set[str] = set()
+        last = "no server tried"
+        for number in range(retries + 1):
+            if number:
+                await backoff(number - 1, backoff_seconds)
+            server = await self.acquire(frozenset(tried))
+            try:
+                return await attempt(server)
+            except EnvServerDown as failure:
+                await self.release(server)
+                self.failed(server, failure.kind, failure.how)
+                tried.add(server.url)
+                last = str(failure)
+            except BaseException:
+                await self.release(server)
+                raise
+        raise EnvServerDown(
+            f"no server of {self.env!r} took the episode after {retries + 1} tries; "
+            f"last: {last}; {self.describe()}"
+        )
 
     # ---- Health checks. ----
 

@@ -316,7 +316,13 @@ async def test_mcp_stdio_episodes_run_end_to_end(database_url: str) -> None:
             accepted = (await client.post("/episodes", json=body | {"max_turns": 4})).json()
             batch = await finished_batch(client, accepted["batch_id"])
             episodes = [(await client.get(f"/episodes/{id_}")).json() for id_ in accepted["episode_ids"]]
+            ready = (await client.get("/ready")).json()
+            metrics = (await client.get("/metrics")).text
     assert batch["counts"]["completed"] == 4, [episode["error"] for episode in episodes]
+    # The MCP pool shows in /ready and /metrics as OpenEnv pools do.
+    assert ready["env_servers"] == {f"{MCP_ENV} stdio:{' '.join(STDIO)}": "ok"}
+    assert f'rollout_env_server_calls_total{{call="step",env="{MCP_ENV}",server="stdio:' in metrics
+    assert f'rollout_env_server_sessions_open{{env="{MCP_ENV}",server="stdio:' in metrics
     for episode in episodes:
         assert episode["reward"] == 1.0
         assert episode["info"]["word"]  # the task plugin's info reaches the trainer's records
@@ -334,6 +340,10 @@ async def test_mcp_streamable_http_pool_places_calls_and_fails_a_dead_server_as_
             first = await envs.open(MCP_ENV, "train", "e1")
             second = await envs.open(MCP_ENV, "train", "e2")
             assert {first.server.url, second.server.url} == set(urls)  # least-loaded
+            pool = envs.mcp[MCP_ENV].pool
+            await pool.check()  # the health check passes on a live server
+            assert [server.failed_checks for server in pool.servers] == [0, 0]
+            assert set(envs.servers().values()) == {"ok"}
             assert [tool["function"]["name"] for tool in first.tools] == ["write", "read"]
             reset = await first.reset(2)
             assert reset.observation == "Store stone under k2, then answer stone."
@@ -353,3 +363,29 @@ async def test_mcp_streamable_http_pool_places_calls_and_fails_a_dead_server_as_
             assert envs.mcp[MCP_ENV].pool.servers[urls.index(second.server.url)].down is not None
         finally:
             await envs.close()
+
+
+async def test_mcp_sessions_close_in_any_order_and_shutdown_leaves_no_task_running() -> None:
+    """The SDK's transports hold anyio cancel scopes, which must be exited by the task that entered
+    them, last in first out: one task closing its first session while a second is open once
+    cancelled that task and tore down the second session's transport."""
+    before = asyncio.all_tasks()
+    with env_servers(1, command=tuple(MCP_SERVER), health="/mcp") as (server,):
+        config = mcp_config(urls=[f"{server.url}/mcp"], health_interval_seconds=0.1)
+        envs = RemoteEnvs([RemoteEnvConfig.model_validate(config)], local=None)  # type: ignore[arg-type]
+        try:
+            first = await envs.open(MCP_ENV, "train", "e1")
+            second = await envs.open(MCP_ENV, "train", "e2")
+            await first.close()
+            current = asyncio.current_task()
+            assert current is not None and current.cancelling() == 0
+            await second.reset(0)
+            step = await second.step(Action("write", {"key": "k0", "value": "apple"}))
+            assert step.observation == "stored k0"
+            third = await envs.open(MCP_ENV, "train", "e3")  # left open, as at a shutdown
+            assert (await third.step(Action("read", {"key": "k0"}))).observation == "apple"
+            await asyncio.sleep(0.3)  # the pool's health checks have started
+        finally:
+            await envs.close()  # shutdown: the sessions left open are closed, the checks stopped
+        assert envs.mcp[MCP_ENV].pool.servers[0].sessions == 0
+        assert asyncio.all_tasks() - before == set()

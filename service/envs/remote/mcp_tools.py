@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from contextlib import AsyncExitStack
 from typing import Any, Protocol
 
 from mcp import Client
@@ -68,6 +67,7 @@ class McpEnv:
             health_interval_seconds=config.health_interval_seconds,
             placement_timeout_seconds=config.placement_timeout_seconds,
         )
+        self.sessions: set[McpSession] = set()  # open now: shutdown closes them
 
     def _target(self, server: Server) -> str | StdioServerParameters:
         if self.config.command:
@@ -77,8 +77,10 @@ class McpEnv:
     async def _health_check(self, url: str) -> None:
         if self.config.command:
             return  # a process per episode: nothing runs between episodes
-        async with asyncio.timeout(self.config.connect_timeout_seconds), Client(url) as client:
-            await client.send_ping()
+        # The connect's handshake (discover, or initialize for an older server) is the probe: mcp
+        # 2's ping works only in its legacy mode, and failed every server's check otherwise.
+        async with asyncio.timeout(self.config.connect_timeout_seconds), Client(url):
+            pass
 
     async def open(self, split: str, episode_key: str) -> McpSession:
         """An MCP session on the least-loaded healthy server (retried elsewhere with jitter while
@@ -86,33 +88,86 @@ class McpEnv:
         config = self.config
 
         async def attempt(server: Server) -> McpSession:
-            stack = AsyncExitStack()
+            connection = McpConnection(self._target(server), config.call_timeout_seconds)
             try:
                 async with asyncio.timeout(config.connect_timeout_seconds), self.pool.call(server, "open"):
-                    client = await stack.enter_async_context(
-                        Client(self._target(server), read_timeout_seconds=config.call_timeout_seconds)
-                    )
-                    listed = await client.list_tools()
+                    listed = await connection.open()
             except BaseException as error:
-                await _close(stack)
+                await connection.close(config.connect_timeout_seconds)
                 if not isinstance(error, Exception):
                     raise
                 kind = "timeout" if isinstance(error, TimeoutError) else "connect"
                 raise server_failure(
                     server.url, config.name, "open", kind, error, config.connect_timeout_seconds
                 ) from error
-            return McpSession(self, server, stack, client, [function_schema(t) for t in listed.tools], split)
+            tools = [function_schema(tool) for tool in listed.tools]
+            return McpSession(self, server, connection, tools, split)
 
-        return await self.pool.place(
+        session = await self.pool.place(
             attempt, retries=config.reset_retries, backoff_seconds=config.retry_backoff_seconds
         )
+        self.sessions.add(session)
+        return session
+
+    async def close(self) -> None:
+        """Closes the sessions still open (shutdown) and stops the health checks."""
+        await asyncio.gather(*(session.close() for session in list(self.sessions)))
+        await self.pool.close()
 
 
-async def _close(stack: AsyncExitStack) -> None:
-    try:
-        await stack.aclose()
-    except Exception:
-        pass
+class McpConnection:
+    """An MCP client held open by a task of its own, from open to close. The SDK's transports run
+    anyio task groups whose cancel scopes must be exited by the task that entered them, last in
+    first out; an episode's task (or shutdown's) opens and closes sessions in any order, and one
+    closed out of order cancelled the closing task and tore down the other session's transport."""
+
+    def __init__(self, target: str | StdioServerParameters, call_timeout_seconds: float) -> None:
+        self.target = target
+        self.call_timeout_seconds = call_timeout_seconds
+        self.client: Client | None = None
+        self._stop = asyncio.Event()
+        self._holder: asyncio.Task[None] | None = None
+
+    async def open(self) -> Any:
+        """Connects and lists the server's tools (an mcp ListToolsResult)."""
+        loop = asyncio.get_running_loop()
+        opened: asyncio.Future[Any] = loop.create_future()
+        self._holder = loop.create_task(self._hold(opened))
+        self._holder.add_done_callback(_retrieve)  # its failure is the opener's or the calls'
+        return await opened
+
+    async def _hold(self, opened: asyncio.Future[Any]) -> None:
+        try:
+            async with Client(self.target, read_timeout_seconds=self.call_timeout_seconds) as client:
+                listed = await client.list_tools()
+                if opened.done():  # the opener gave up (cancelled, timed out)
+                    return
+                self.client = client
+                opened.set_result(listed)
+                await self._stop.wait()
+        except BaseException as error:
+            if not opened.done():
+                if isinstance(error, Exception):
+                    opened.set_exception(error)
+                else:
+                    opened.cancel()
+            raise
+
+    async def close(self, timeout_seconds: float) -> None:
+        """Ends the session (its transport exits in its own task); never raises."""
+        holder = self._holder
+        if holder is None:
+            return
+        self._stop.set()
+        done, _ = await asyncio.wait({holder}, timeout=timeout_seconds)
+        if not done:
+            holder.cancel()
+            await asyncio.wait({holder}, timeout=timeout_seconds)
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class McpSession:
@@ -122,15 +177,15 @@ class McpSession:
         self,
         env: McpEnv,
         server: Server,
-        stack: AsyncExitStack,
-        client: Client,
+        connection: McpConnection,
         tools: list[dict[str, Any]],
         split: str,
     ) -> None:
         self.env = env
         self.server = server
-        self.stack = stack
-        self.client = client
+        self.connection = connection
+        assert connection.client is not None, "a session is made of an open connection"
+        self.client = connection.client
         self.tools = tools
         self.split = split
         self.system_prompt = env.tasks.system_prompt
@@ -176,10 +231,8 @@ class McpSession:
         if self._closed:
             return
         self._closed = True
+        self.env.sessions.discard(self)
         try:
-            async with asyncio.timeout(self.env.config.connect_timeout_seconds):
-                await _close(self.stack)
-        except TimeoutError:
-            pass
+            await self.connection.close(self.env.config.connect_timeout_seconds)
         finally:
             await self.env.pool.release(self.server)

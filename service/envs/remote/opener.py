@@ -61,6 +61,7 @@ class RemoteEnvs:
                 from service.envs.remote.mcp_tools import McpEnv
 
                 self.mcp[config.name] = McpEnv(config, self.metrics)
+                self.pools[config.name] = self.mcp[config.name].pool
             elif config.protocol == "nemo_gym":
                 self.nemo_gym[config.name] = NemoGymEnv(config, self.metrics)
                 self.pools[config.name] = self.nemo_gym[config.name].pool
@@ -91,6 +92,7 @@ class RemoteEnvs:
         """Closes sessions still open (shutdown) and stops the health checks."""
         await asyncio.gather(*(session.close() for session in list(self._open)), return_exceptions=True)
         await asyncio.gather(*(env.close() for env in self.nemo_gym.values()))
+        await asyncio.gather(*(env.close() for env in self.mcp.values()))
         await asyncio.gather(*(env.close() for env in self.openenv.values()), return_exceptions=True)
         await asyncio.gather(*(pool.close() for pool in self.pools.values()))
         await self._http.aclose()

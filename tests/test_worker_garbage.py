@@ -3,14 +3,17 @@ full collection, which TUNE_GC's thresholds make rare, and grew the soak's RSS (
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections import Counter
 from collections.abc import Iterator
 
+import httptools
 import httpx
 import pytest
 
 from service.app import create_app
+from service.engine.transport import SocketTransport, _Connection
 from service.serving import serve_app
 from service.sim.worker import SimConfig, create_sim_app, serve_in_thread
 from tests.conftest import service_settings
@@ -49,3 +52,21 @@ async def test_finished_episodes_leave_no_cycles_of_the_worker(
                 gc.collect()
     found = Counter(type(item).__name__ for item in garbage_saved)
     assert not {name: found[name] for name in WORKER_TYPES if found[name]}
+
+
+async def test_closed_engine_connections_leave_no_cycles(garbage_saved: list[object]) -> None:
+    """A connection the server closes (here each one, asked with `connection: close`) is freed by
+    its reference count: it and its httptools parser no longer point at each other once it is lost."""
+    requests = 20
+    transport = SocketTransport()
+    with serve_in_thread(create_sim_app(SimConfig(latency_seconds=0.0))) as sglang_url:
+        try:
+            for _ in range(requests):
+                reply = await transport.post(f"{sglang_url}/no-such-path", b"{}", 10, {"connection": "close"})
+                assert reply.status == 404
+            await asyncio.sleep(0.1)  # the loop calls connection_lost of the last one
+        finally:
+            await transport.aclose()
+        gc.collect()
+    ours = [item for item in garbage_saved if isinstance(item, _Connection | httptools.HttpResponseParser)]
+    assert len(ours) / requests == 0, Counter(type(item).__name__ for item in ours)

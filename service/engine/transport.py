@@ -69,11 +69,15 @@ OnBody = Callable[[bytes], None]
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection: a request at a time, its answer parsed by httptools."""
+    """One keep-alive HTTP/1.1 connection: a request at a time, its answer parsed by httptools.
+
+    The parser calls back into the connection, so the two point at each other: once the connection
+    is lost both links are dropped, or every closed connection would be cyclic garbage, freed only
+    by a full collection (rare under TUNE_GC) and growing the soak's RSS (docs/benchmarks.md)."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self.answer: asyncio.Future[Reply] | None = None
         self.body: list[bytes] = []
         self.reusable = False
@@ -98,6 +102,8 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
 
     def data_received(self, data: bytes) -> None:
+        if self.parser is None:  # lost: nothing more is read
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
@@ -106,15 +112,18 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._fail(f"connection closed by the server{f': {exc}' if exc else ''}")
+        self.parser = self.transport = self.stream_to = None  # no cycle left: see the class's doc
 
     # httptools callbacks
     def on_body(self, body: bytes) -> None:
+        assert self.parser is not None  # called by the parser
         if self.stream_to is not None and self.parser.get_status_code() == 200:
             self.stream_to(body)
         else:
             self.body.append(body)
 
     def on_message_complete(self) -> None:
+        assert self.parser is not None  # called by the parser
         self.reusable = self.parser.should_keep_alive()
         if self.answer is not None and not self.answer.done():
             self.answer.set_result(Reply(self.parser.get_status_code(), b"".join(self.body)))

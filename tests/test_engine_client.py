@@ -344,9 +344,11 @@ async def test_the_control_client_drops_idle_connections_before_the_engine_does(
     """SGLang's uvicorn closes a connection idle 5 s: a health probe or a /workers listing sent on
     one as it closes would fail. Past KEEPALIVE_SECONDS idle the control client connects anew."""
     peers: list[int] = []
+    writers: list[asyncio.StreamWriter] = []
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peers.append(writer.get_extra_info("peername")[1])
+        writers.append(writer)
         with contextlib.suppress(asyncio.IncompleteReadError):  # the client closed it
             while await reader.readuntil(b"\r\n\r\n"):
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
@@ -363,7 +365,10 @@ async def test_the_control_client_drops_idle_connections_before_the_engine_does(
             assert (await http.get(f"{url}/health")).status_code == 200
         assert len(peers) == 2 and KEEPALIVE_SECONDS < 5.0
     finally:
+        for writer in writers:  # the server's side of each: closed now, not collected in a later test
+            writer.close()
         server.close()
+        await server.wait_closed()
 
 
 # ---- the production transport over real sockets ----

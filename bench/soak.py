@@ -132,6 +132,35 @@ def tracemalloc_growth(directory: Path, minutes: list[int], rss: dict[int, float
             "traced": traced, "by_line": top("lineno"), "by_traceback": top("traceback")}  # fmt: skip
 
 
+def gc_pauses(metrics_text: str) -> dict[str, dict[str, float]] | None:
+    """The service's garbage collections by generation (rollout_gc_pause_seconds): how many, their
+    total and mean, and the smallest bucket bound that holds the longest. None before the metric."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, dict[str, Any]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != "rollout_gc_pause_seconds":
+            continue
+        for sample in family.samples:
+            entry = found.setdefault(sample.labels["generation"], {"buckets": []})
+            if sample.name.endswith("_count"):
+                entry["count"] = sample.value
+            elif sample.name.endswith("_sum"):
+                entry["sum_s"] = sample.value
+            elif sample.name.endswith("_bucket"):
+                entry["buckets"].append((float(sample.labels["le"]), sample.value))
+    if not found:
+        return None
+    report = {}
+    for generation, entry in sorted(found.items()):
+        count, total = entry["count"], entry["sum_s"]
+        longest = min((bound for bound, below in entry["buckets"] if below >= count), default=None)
+        report[generation] = {"count": int(count), "sum_s": round(total, 2),
+                              "mean_ms": round(1000 * total / count, 2) if count else 0.0,
+                              "longest_under_s": longest}  # fmt: skip
+    return report
+
+
 def growth(values: list[float]) -> float | None:
     """The least-squares line's rise over the series, as a share of its start (None: too short)."""
     n = len(values)
@@ -319,13 +348,15 @@ async def soak(
     first = [s["episodes_finished"] for s in samples[:FIRST_MINUTES]]
     last = [s["episodes_finished"] for s in half]
     ratio = (sum(last) / len(last)) / (sum(first) / len(first)) if first and last and sum(first) else None
+    scraped = await driver._call("metrics", "GET", "/metrics")
+    collections = gc_pauses(scraped.text) if scraped is not None and scraped.status_code == 200 else None
     await driver.http.aclose()
     return {
         "minutes": args.minutes, "in_flight": args.in_flight, "database": args.database,
         "episodes_accepted": sum(driver.accepted.values()), "batches": len(driver.accepted),
         "batches_cancelled": driver.cancelled_batches, "weight_updates": driver.updates,
         "groups_streamed": groups, "groups_duplicated": duplicated, "episodes_lost": lost,
-        "errors": dict(driver.errors), **health_stats,
+        "errors": dict(driver.errors), **health_stats, "gc_pauses": collections,
         "last_half": {
             "rss_growth": growth([s["rss_mib"] for s in half]),
             "fds_growth": growth([float(s["fds"]) for s in half]),

@@ -55,6 +55,7 @@ async def lifespan(
     if settings.key_table.open:
         logger.warning("API_KEYS is not set: the API accepts requests from anyone who can reach it")
     async with AsyncExitStack() as resources:
+        resources.callback(metrics.watch_collections())
         database = await resources.enter_async_context(open_database(settings))
         engine = await resources.enter_async_context(engine_client(settings))
         await engine.status.check()  # an engine that does not answer is logged as a warning now

@@ -8,9 +8,12 @@ gauges summed over the live ones, and the database's readings as the answering p
 
 from __future__ import annotations
 
+import gc
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_MEDIA_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,6 +21,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from service.records import DEADLINE_NOTE, EpisodeResult, EpisodeStatus
 
+# A young collection takes well under a millisecond; a full one over thousands of live episodes, seconds.
+GC_PAUSE_BUCKETS_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 LATENCY_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 # prometheus_client reads it when first imported: a process must have it in its environment from start.
@@ -138,9 +143,35 @@ class Metrics:
             registry=registry,
             multiprocess_mode="livemax",
         )
+        self.gc_pause_seconds = Histogram(
+            "rollout_gc_pause_seconds",
+            "Duration of one garbage collection in this process, by generation (2: a full one), "
+            "during which its event loop stands still (see TUNE_GC).",
+            ["generation"],
+            buckets=GC_PAUSE_BUCKETS_SECONDS,
+            registry=registry,
+        )
+        for generation in range(3):
+            self.gc_pause_seconds.labels(str(generation))
         for status in EpisodeStatus:
             if status.finished:  # queued and running are not outcomes: no always-zero series for them
                 self.finished.labels(status.value)
+
+    def watch_collections(self) -> Callable[[], None]:
+        """Times each garbage collection of the process (gc.callbacks) into rollout_gc_pause_seconds
+        until the returned function is called."""
+        pauses = [self.gc_pause_seconds.labels(str(generation)) for generation in range(3)]
+        started = 0.0
+
+        def on_collection(phase: str, info: dict[str, Any]) -> None:
+            nonlocal started
+            if phase == "start":
+                started = time.perf_counter()
+            else:
+                pauses[info["generation"]].observe(time.perf_counter() - started)
+
+        gc.callbacks.append(on_collection)
+        return lambda: gc.callbacks.remove(on_collection)
 
     def episodes_submitted(self, count: int) -> None:
         self.submitted.inc(count)

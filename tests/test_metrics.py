@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 from typing import Any
 
@@ -100,3 +101,13 @@ async def test_metrics_agree_with_the_stored_batch(client: httpx.AsyncClient, db
     assert after[("rollout_queue_depth", ())] == 0
     assert after[("rollout_inflight_episodes", ())] == 0
     assert after[("rollout_inflight_generates", ())] == 0
+
+
+async def test_metrics_time_garbage_collections(client: httpx.AsyncClient) -> None:
+    """rollout_gc_pause_seconds counts the process's collections, a full one among them."""
+    before = by_label(await scrape(client), "rollout_gc_pause_seconds_count", "generation")
+    assert set(before) == {"0", "1", "2"}
+    gc.collect()
+    after = await scrape(client)
+    assert by_label(after, "rollout_gc_pause_seconds_count", "generation")["2"] >= before["2"] + 1
+    assert by_label(after, "rollout_gc_pause_seconds_sum", "generation")["2"] > 0

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Table, and_, bindparam, exists, func, insert, select, text, tuple_, update
+from sqlalchemy import Table, bindparam, exists, func, insert, select, text, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.records import FINISHED_STATUSES, EpisodeStatus
@@ -124,13 +124,21 @@ class CompletedGroup:
     stats: RewardStats
 
 
-def _complete_and_unlogged() -> Any:
-    unfinished = exists().where(
+# Built once: a statement's operators build SQLAlchemy objects that point at each other (an
+# expression and its comparator), cyclic garbage freed only by a full collection, which TUNE_GC makes
+# rare; built for every block of results stored, they grew the soak's RSS (docs/benchmarks.md).
+_UNLOGGED_COMPLETE_GROUPS = select(Group.batch_id, Group.group_index).where(
+    Group.seq.is_(None),
+    ~exists().where(
         Episode.batch_id == Group.batch_id,
         Episode.group_index == Group.group_index,
         Episode.status.in_(_UNFINISHED),
-    )
-    return and_(Group.seq.is_(None), ~unfinished)
+    ),
+)
+_GROUP_KEY = tuple_(Group.batch_id, Group.group_index)
+_EPISODE_GROUP_KEY = tuple_(Episode.batch_id, Episode.group_index)
+_GROUP_REWARDS = select(Episode.batch_id, Episode.group_index, Episode.reward, Episode.finished_at)
+_LAST_SEQ = select(func.max(Group.seq))
 
 
 async def log_complete(
@@ -141,7 +149,7 @@ async def log_complete(
     on PostgreSQL it holds the seq lock until then. Returns them in seq order."""
     if session.get_bind().dialect.name == "postgresql":
         await session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SEQ_LOCK_KEY})
-    query = select(Group.batch_id, Group.group_index).where(_complete_and_unlogged())
+    query = _UNLOGGED_COMPLETE_GROUPS
     keys: list[GroupKey] = []
     if candidates is None:
         keys = [(row.batch_id, row.group_index) for row in await session.execute(query.limit(SWEEP_LIMIT))]
@@ -149,7 +157,7 @@ async def log_complete(
         wanted = list(candidates)
         for start in range(0, len(wanted), IN_LIST_CHUNK):
             chunk = wanted[start : start + IN_LIST_CHUNK]
-            rows = await session.execute(query.where(tuple_(Group.batch_id, Group.group_index).in_(chunk)))
+            rows = await session.execute(query.where(_GROUP_KEY.in_(chunk)))
             keys.extend((row.batch_id, row.group_index) for row in rows)
     if not keys:
         return []
@@ -157,11 +165,7 @@ async def log_complete(
     last_finished: dict[GroupKey, datetime | None] = {}
     for start in range(0, len(keys), IN_LIST_CHUNK // 8):  # about 8 episodes a group
         chunk = keys[start : start + IN_LIST_CHUNK // 8]
-        rows = await session.execute(
-            select(Episode.batch_id, Episode.group_index, Episode.reward, Episode.finished_at).where(
-                tuple_(Episode.batch_id, Episode.group_index).in_(chunk)
-            )
-        )
+        rows = await session.execute(_GROUP_REWARDS.where(_EPISODE_GROUP_KEY.in_(chunk)))
         for row in rows:
             key = (row.batch_id, row.group_index)
             rewards[key].append(row.reward)
@@ -170,7 +174,7 @@ async def log_complete(
                 last_finished[key] = row.finished_at
     # In the order they completed, as far as this one lock holder can tell.
     keys.sort(key=lambda key: (last_finished.get(key) or now or utcnow(), key))
-    base = (await session.scalar(select(func.max(Group.seq)))) or 0
+    base = (await session.scalar(_LAST_SEQ)) or 0
     completed = [
         CompletedGroup(key, base + offset, RewardStats.of(rewards[key])) for offset, key in enumerate(keys, 1)
     ]

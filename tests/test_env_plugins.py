@@ -117,7 +117,9 @@ async def plugin_service(database_url: str, **overrides: Any) -> AsyncIterator[h
         )
         async with (
             serve_app(create_app(settings)) as url,
-            httpx.AsyncClient(base_url=url, timeout=30) as http,
+            # Longer than finished_episodes' long poll (60 s): at 30 s a loaded machine, whose spawned
+            # env worker took that long to start, saw a ReadTimeout instead of the batch.
+            httpx.AsyncClient(base_url=url, timeout=90) as http,
         ):
             yield http
 

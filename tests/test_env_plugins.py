@@ -3,6 +3,7 @@ bad plugins listed unavailable with their error; misbehaving envs' failures clas
 
 from __future__ import annotations
 
+import asyncio
 import re
 import textwrap
 from collections.abc import AsyncIterator
@@ -179,26 +180,26 @@ async def test_a_failed_entry_points_envs_are_422_naming_its_error(
     assert "No module named 'gone_envs'" in response.text
 
 
-@pytest.mark.parametrize(
-    ("split", "needle"),
-    [
-        ("reset", "env reset failed: ValueError: reset exploded"),
-        ("step", "env step failed: ValueError: step exploded"),
-        ("late", "env step failed: ValueError: step exploded after a reward"),
-        ("nan", "unstorable info: step().info['score'] is nan"),
-        ("surrogate", "unstorable transcript: step().transcript[0]['content'] holds a lone surrogate"),
-        ("object", "unstorable info: step().info['when'] is a builtins.object, not JSON"),
-    ],
-)
-async def test_misbehaving_envs_abort_with_their_error(
-    plugin_client: httpx.AsyncClient, split: str, needle: str
-) -> None:
-    episodes = await finished_episodes(plugin_client, submission("plugin/misbehaving", split, [0]))
-    for episode in episodes:
-        assert episode["status"] == "aborted"
-        assert needle in episode["error"]
-        # The env's own last reward if it gave one before failing (docs/trainers/statuses.md, aborted).
-        assert episode["reward"] == (0.0 if split == "late" else None)
+MISBEHAVING = {  # the plugin/misbehaving split: what its episodes' error says
+    "reset": "env reset failed: ValueError: reset exploded",
+    "step": "env step failed: ValueError: step exploded",
+    "late": "env step failed: ValueError: step exploded after a reward",
+    "nan": "unstorable info: step().info['score'] is nan",
+    "surrogate": "unstorable transcript: step().transcript[0]['content'] holds a lone surrogate",
+    "object": "unstorable info: step().info['when'] is a builtins.object, not JSON",
+}
+
+
+async def test_misbehaving_envs_abort_with_their_error(plugin_client: httpx.AsyncClient) -> None:
+    # One service for every case (its spawned env worker is most of a case's time), side by side.
+    bodies = [submission("plugin/misbehaving", split, [0]) for split in MISBEHAVING]
+    finished = await asyncio.gather(*(finished_episodes(plugin_client, body) for body in bodies))
+    for (split, needle), episodes in zip(MISBEHAVING.items(), finished, strict=True):
+        for episode in episodes:
+            assert episode["status"] == "aborted", (split, episode)
+            assert needle in episode["error"], (split, episode["error"])
+            # The env's own last reward if it gave one before failing (docs/trainers/statuses.md, aborted).
+            assert episode["reward"] == (0.0 if split == "late" else None), (split, episode)
 
 
 async def test_plugins_load_in_every_process_of_serve_workers_and_api_processes(

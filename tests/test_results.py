@@ -14,6 +14,7 @@ from sqlalchemy.exc import DBAPIError, StatementError
 
 from service.records import EpisodeResult
 from service.storage.db import Database, utcnow
+from service.storage.errors import is_refused
 from service.storage.models import Episode
 from service.storage.queue import (
     Finished,
@@ -158,6 +159,7 @@ async def test_a_batch_the_database_refuses_midway_is_rolled_back_then_stored_on
     finally:
         statements.close()
     assert isinstance(stored[4], DBAPIError) and "json" in str(stored[4])  # its own error, to its own caller
+    assert is_refused(stored[4])  # so the worker stores a failed result saying why, never re-runs it
     assert [value for index, value in enumerate(stored) if index != 4] == [True] * 5
     assert statements.updates == [6] + [1] * 6  # the batch ran and was refused: then one by one
     rows = await stored_rows(db, [c.id for c in claims])

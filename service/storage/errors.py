@@ -41,7 +41,15 @@ _TRANSIENT = (
     asyncpg.exceptions.TransactionRollbackError,
 )
 # The statement or the values it carries (e.g. a NUL character in a JSON text, a duplicate key).
+# SQLAlchemy raises asyncpg's own refusals as a plain DBAPIError (NaN in a json value: asyncpg's
+# DataError): they are found on its `orig`'s cause, by their SQLSTATE class (data, integrity,
+# syntax or access rule).
 _REFUSED = (DataError, IntegrityError, ProgrammingError)
+_REFUSED_BY_ASYNCPG = (
+    asyncpg.exceptions.DataError,
+    asyncpg.exceptions.IntegrityConstraintViolationError,
+    asyncpg.exceptions.SyntaxOrAccessError,
+)
 _CHAIN_LIMIT = 8  # causes followed from the raised error to the driver's
 
 
@@ -68,7 +76,11 @@ def is_transient(error: BaseException) -> bool:
 def is_refused(error: BaseException) -> bool:
     """The database refused the statement or its data: the same call fails again however often it
     is retried (a ProgrammingError is a bug of ours, a DataError or IntegrityError may be the data's)."""
-    return isinstance(error, _REFUSED) and not is_transient(error)
+    if is_transient(error):
+        return False
+    if isinstance(error, _REFUSED):
+        return True
+    return any(isinstance(cause, _REFUSED_BY_ASYNCPG) for cause in _causes(error))
 
 
 def _causes(error: BaseException) -> list[BaseException]:

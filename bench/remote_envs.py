@@ -38,8 +38,9 @@ from openenv.core.env_server.mcp_types import CallToolAction
 from openenv.core.generic_client import GenericEnvClient
 
 from bench.common import percentiles_ms
+from bench.local_counter import local_counter
 from service.app import tune_garbage_collector
-from service.envs.base import Action, EnvSpec, Reset, Step, UserSimConfig
+from service.envs.base import Action, EnvSpec
 from service.envs.host import EnvHost
 from service.envs.remote.config import RemoteEnvConfig
 from service.envs.remote.errors import EnvServerDown
@@ -49,31 +50,6 @@ from tests.support.remote_servers import EnvServer, env_servers
 ENV = "remote/counter"
 CALLS_PER_EPISODE = 3  # reset, add, submit
 MAX_ATTEMPTS = 3  # the worker's attempt budget (MAX_FAILED_ATTEMPTS) in the kill run
-
-
-class LocalCounter:
-    """The counter env of examples/openenv_counter/server.py as a local env (the baseline)."""
-
-    system_prompt = "Use the tools."
-    tools: list[dict[str, Any]] = []
-
-    def __init__(self, split: str, user_sim: UserSimConfig) -> None:
-        self.counter = self.target = 0
-
-    def reset(self, task_index: int) -> Reset:
-        self.counter, self.target = 0, task_index + 2
-        return Reset(observation=f"Reach {self.target} with add, then submit it.")
-
-    def step(self, action: Action) -> Step:
-        if action.name == "add":
-            self.counter += int(action.kwargs["n"])
-            return Step(observation=str(self.counter), reward=0.0, done=False)
-        right = str(action.kwargs["answer"]) == str(self.target)
-        return Step(observation="right" if right else "wrong", reward=float(right), done=True)
-
-
-def local_counter(split: str, user_sim: UserSimConfig) -> LocalCounter:
-    return LocalCounter(split, user_sim)
 
 
 async def episode(envs: Any, index: int, added: asyncio.Queue[int] | None = None) -> float:

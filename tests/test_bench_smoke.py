@@ -282,4 +282,7 @@ def test_remote_envs_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert report["remote"]["server_sessions_opened"] < report["remote"]["episodes"]  # sessions reused
     assert report["overhead"]["server_handler_ms"]["samples"] > 0
     assert report["remote"]["cpu_ms_per_env_call"] > 0 < report["baseline_thread"]["cpu_ms_per_env_call"]
+    # The baselines run the same episodes without error: the process one's env workers import the
+    # env's class whatever name the bench was loaded under here.
+    assert report["baseline_thread"]["errors"] == 0 == report["baseline_process"]["errors"]
     assert report["kill"]["lost"] == 0 and report["kill"]["reward_1"] == report["kill"]["episodes"]

@@ -18,7 +18,8 @@ tuning (app.tune_garbage_collector, on by default) is applied first. Reported:
 - `kill`: a batch with one server killed mid-way; episodes that fail as infrastructure are re-run
   (as the worker does within its attempt budget) and must all complete with reward 1.0.
 Run from the repo root: .venv/bin/python bench/remote_envs.py [--episodes N] [--rounds R] [--quick]
-The last line of output is one JSON object.
+Everything runs on uvloop where it is installed, as `python -m service serve` does (uvicorn's
+default). The last line of output is one JSON object.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from openenv.core.env_server.mcp_types import CallToolAction
 from openenv.core.generic_client import GenericEnvClient
 
-from bench.common import percentiles_ms
+from bench.common import percentiles_ms, run_loop
 from bench.local_counter import local_counter
 from service.app import tune_garbage_collector
 from service.envs.base import Action, EnvSpec
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.episodes, args.kill_episodes, args.steps = 20, 10, 20
     else:  # process-wide: not in the smoke test, which runs in the suite's process
         tune_garbage_collector()
-    report = asyncio.run(main_async(args.episodes, args.rounds, args.kill_episodes, args.steps))
+    # On uvloop, as `python -m service serve` runs (uvicorn's default); the baselines too.
+    report = run_loop(main_async(args.episodes, args.rounds, args.kill_episodes, args.steps))
     print(json.dumps(report))
     return report
 

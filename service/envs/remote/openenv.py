@@ -86,7 +86,8 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
     async def _send(self, message: dict[str, Any]) -> None:
         if self._ws is None:
             await self.connect()
-        await self._ws.send(orjson.dumps(message).decode())
+        # orjson's UTF-8 bytes as a text frame (websockets' text=True): not decoded to be encoded again.
+        await self._ws.send(orjson.dumps(message), text=True)
 
     async def _receive(self) -> dict[str, Any]:
         async with asyncio.timeout(self._message_timeout):

@@ -39,13 +39,13 @@ from openenv.core.env_server.mcp_types import CallToolAction
 from openenv.core.generic_client import GenericEnvClient
 
 from bench.common import percentiles_ms, run_loop
-from bench.local_counter import local_counter
 from service.app import tune_garbage_collector
 from service.envs.base import Action, EnvSpec
 from service.envs.host import EnvHost
 from service.envs.remote.config import RemoteEnvConfig
 from service.envs.remote.errors import EnvServerDown
 from service.envs.remote.opener import RemoteEnvs
+from tests.support.counter_env import local_counter
 from tests.support.remote_servers import EnvServer, env_servers
 
 ENV = "remote/counter"

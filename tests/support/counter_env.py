@@ -1,6 +1,6 @@
 """The counter env of examples/openenv_counter/server.py as a local env: bench/remote_envs.py's
-baseline. A module of its own, so that an env worker process can unpickle its factory whatever
-name the bench was loaded under (the smoke test loads it as `bench_remote_envs`)."""
+baseline. A module of its own, importable by name, so that an env worker process can unpickle its
+factory whatever name the bench was loaded under (the smoke test loads it as `bench_remote_envs`)."""
 
 from __future__ import annotations
 

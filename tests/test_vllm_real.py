@@ -35,7 +35,7 @@ from tests.support.vllm_server import MAX_MODEL_LEN, VLLMServer, vllm_server
 LOGPROB_TOLERANCE = 1e-4  # absolute, per token
 PAUSES = 3  # keep mode: pause-resume cycles while the turn generates
 ABORT_TRIES = 3
-MAX_ABORT_PAUSES = 60  # abort mode: cycles until one has aborted the turn's call (a resume followed)
+ABORT_AFTER_SECONDS = 1.0  # abort mode: from releasing the engine holding the call to the pause
 # What a control call that must land mid-generation skips with when vLLM took it only after the
 # generation ended: its HTTP server was seen to answer new requests seconds late while it streams
 # a long generation on two cores that other work also loads (every invariant is still checked).
@@ -352,6 +352,13 @@ async def test_a_pause_during_a_turn_loses_nothing_and_samples_nothing_twice(
         httpx.AsyncClient(base_url=base, timeout=60, limits=fresh) as client,
         httpx.AsyncClient(timeout=30, limits=fresh) as http,
     ):
+        if mode == "abort":
+            # The turn's call must be generating when the abort lands, and on a quiet machine the
+            # tiny model samples its 6,000 tokens in about 3 s, less than it took to see the call
+            # arrive and pause through the service. So the engine is frozen first (vLLM's own keep
+            # pause: a request that arrives meanwhile is taken but not scheduled), then released
+            # once it holds the call, and the service's pause follows a moment later.
+            assert (await http.post(f"{vllm.url}/pause", params={"mode": "keep"})).status_code == 200
         submitted = await client.post(
             "/episodes",
             json={
@@ -363,11 +370,6 @@ async def test_a_pause_during_a_turn_loses_nothing_and_samples_nothing_twice(
             },
         )
         assert submitted.status_code == 202, submitted.text
-        # The trainer pauses through the service's own /engine/pause (SGLang's abort as vLLM's
-        # abort, retract as keep), as around a weight update, once the engine has taken the turn's
-        # call (its log says so), while it generates for seconds. In abort mode the cycles go on
-        # until one has aborted the call (its resume reached the engine), so a pause that vLLM's
-        # busy server took late is followed by another.
         [episode_id] = submitted.json()["episode_ids"]
         calls = f"generate-tokens-{episode_id}:"
         for _ in range(3000):
@@ -376,21 +378,19 @@ async def test_a_pause_during_a_turn_loses_nothing_and_samples_nothing_twice(
             await asyncio.sleep(0.01)
         else:
             raise AssertionError("the engine never took the turn's call")
+        if mode == "abort":
+            assert (await http.post(f"{vllm.url}/resume")).status_code == 200
+            await asyncio.sleep(ABORT_AFTER_SECONDS)  # its prompt read, it samples
+        # The trainer pauses through the service's own /engine/pause (SGLang's abort as vLLM's
+        # abort, retract as keep), as around a weight update.
         service_mode = "abort" if mode == "abort" else "retract"
-        batch_id = submitted.json()["batch_id"]
-        for cycle in range(PAUSES if mode == "keep" else MAX_ABORT_PAUSES):
-            if (
-                mode == "abort"
-                and cycle >= PAUSES
-                and (vllm.added(calls) > 1 or await batch_done(client, batch_id))
-            ):
-                break
+        for _ in range(PAUSES if mode == "keep" else 1):
             await service_control(client, "/engine/pause", {"mode": service_mode})
             assert (await http.get(f"{vllm.url}/is_paused")).json() == {"is_paused": True}
             await asyncio.sleep(PAUSE_SECONDS)
             await service_control(client, "/engine/continue", None)
             await asyncio.sleep(PAUSE_SECONDS)
-        await wait_batch(client, batch_id)
+        await wait_batch(client, submitted.json()["batch_id"])
         episode = await assert_episode_meets_the_contract(client, vllm.url, episode_id)
         assert sum(turn["output_tokens"] for turn in episode["turns"]) == PAUSED_TURN_TOKENS, episode["turns"]
         resumes = sum(1 for turn in episode["turns"] if turn["resume"] > 0)
@@ -399,7 +399,9 @@ async def test_a_pause_during_a_turn_loses_nothing_and_samples_nothing_twice(
             assert resumes == 0  # the engine held the call: nothing to resume
         elif resumes == 0:
             pytest.skip(MISSED)
-        # else the pause aborted the call and the service resumed the turn, losing nothing
+        else:  # the pause aborted the call mid-way and the service resumed the turn, losing nothing
+            assert resumes == 1 and vllm.added(calls) == 2, episode["turns"]
+            assert 0 < episode["turns"][0]["output_tokens"] < PAUSED_TURN_TOKENS, episode["turns"]
 
 
 def test_the_recorded_answer_is_vllms_own(vllm: VLLMServer) -> None:

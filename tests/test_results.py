@@ -17,6 +17,7 @@ from service.storage.db import Database, utcnow
 from service.storage.errors import is_refused
 from service.storage.models import Episode
 from service.storage.queue import (
+    ClaimedEpisode,
     Finished,
     claim_episodes,
     finish_episode,
@@ -114,11 +115,14 @@ async def test_the_same_result_given_twice_is_stored_once(db: Database) -> None:
         assert row is not None and len(row.loss_mask or b"") == 3
 
 
-async def test_a_failing_batch_falls_back_to_one_write_per_result(db: Database) -> None:
+async def six_results_one_bad(
+    db: Database, bad: EpisodeResult, index: int
+) -> tuple[ResultWrites, list[ClaimedEpisode], list[bool | BaseException], Statements]:
+    """Six claimed episodes' results written side by side, `bad` the one at `index`: the writer,
+    the claims, each write's outcome (or error) and the statements it ran."""
     await enqueue(db, groups=1, samples=6)
     claims = await claim_episodes(db.writer, "w1", 6, LEASE_SECONDS)
-    unencodable = EpisodeResult(outcome().status, 1.0, None, [], {"not json": object()})
-    results = [unencodable if index == 2 else outcome(length=4) for index in range(6)]
+    results = [bad if position == index else outcome(length=4) for position in range(6)]
     writes = ResultWrites(db.writer, "w1")
     statements = Statements(db)
     try:
@@ -128,6 +132,12 @@ async def test_a_failing_batch_falls_back_to_one_write_per_result(db: Database) 
         )
     finally:
         statements.close()
+    return writes, claims, stored, statements
+
+
+async def test_a_failing_batch_falls_back_to_one_write_per_result(db: Database) -> None:
+    unencodable = EpisodeResult(outcome().status, 1.0, None, [], {"not json": object()})
+    writes, claims, stored, statements = await six_results_one_bad(db, unencodable, 2)
     assert isinstance(stored[2], StatementError)  # its own error, to its own caller
     assert [value for index, value in enumerate(stored) if index != 2] == [True] * 5
     assert statements.updates == [1] * 5  # the batch failed as it was built: then one by one
@@ -145,19 +155,8 @@ async def test_a_batch_the_database_refuses_midway_is_rolled_back_then_stored_on
         pytest.skip(
             "SQLite stores any JSON text; PostgreSQL's json type refuses NaN, which json.dumps writes"
         )
-    await enqueue(db, groups=1, samples=6)
-    claims = await claim_episodes(db.writer, "w1", 6, LEASE_SECONDS)
     refused = EpisodeResult(outcome().status, 1.0, None, [], {"reward": float("nan")})
-    results = [refused if index == 4 else outcome(length=4) for index in range(6)]
-    writes = ResultWrites(db.writer, "w1")
-    statements = Statements(db)
-    try:
-        stored = await asyncio.gather(
-            *(writes.finish(c.id, c.attempt, result) for c, result in zip(claims, results, strict=True)),
-            return_exceptions=True,
-        )
-    finally:
-        statements.close()
+    _, claims, stored, statements = await six_results_one_bad(db, refused, 4)
     assert isinstance(stored[4], DBAPIError) and "json" in str(stored[4])  # its own error, to its own caller
     assert is_refused(stored[4])  # so the worker stores a failed result saying why, never re-runs it
     assert [value for index, value in enumerate(stored) if index != 4] == [True] * 5

@@ -31,6 +31,7 @@ from typing import TypeVar
 import asyncpg
 import httpx
 import pytest
+from _pytest.nodeid import NodeId
 from sqlalchemy.engine import make_url
 
 from service.app import create_app
@@ -217,13 +218,37 @@ async def client(database_url: str, sim: tuple[SimWorker, str]) -> AsyncIterator
 WIDER_SCOPES = {"package", "module", "class"}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n`, with `--dist=loadgroup`), the tests of a module that share a
     module- or class-scoped fixture (a vLLM server, a trainer's stand-in) run on one worker, which
-    builds it once; every other test goes wherever a worker is free."""
+    builds it once; every other test goes wherever a worker is free (tests/test_xdist_groups.py).
+    First of the hook's implementations: xdist's worker reads the marks in its own, which pluggy
+    calls before this conftest's otherwise (the last registered first): it saw no mark."""
     for item in items:
         if not isinstance(item, pytest.Function):
             continue
         definitions = item._fixtureinfo.name2fixturedefs
         if any(defs[-1].scope in WIDER_SCOPES for defs in definitions.values() if defs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+
+
+class _GroupInNodeId:
+    """xdist sends a group's tests to one worker by the `@<group>` its worker appends to their node
+    ids, by setting `item._nodeid`, which pytest 9.2 no longer reads (its node ids are structured:
+    `item._id`), so no test was grouped and each worker given a vLLM test started a vLLM server
+    (pytest-dev/pytest-xdist#1386, fix not released in 3.8.0). Appends it where xdist could not,
+    after xdist's hook; a no-op once xdist's own took effect. Workers of `--dist=loadgroup` only."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            groups = sorted({str(mark.args[0]) for mark in item.iter_markers("xdist_group") if mark.args})
+            suffix = f"@{'_'.join(groups)}"
+            if groups and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+                item._id = NodeId.parse(item.nodeid + suffix)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
+        config.pluginmanager.register(_GroupInNodeId(), "rollout-xdist-group-in-node-id")

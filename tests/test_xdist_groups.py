@@ -1,0 +1,29 @@
+"""The suite's xdist grouping (tests/conftest.py): a test sharing a module-scoped fixture carries
+its module's xdist_group, and under `-n N --dist=loadgroup` (make test) xdist has named that group
+in its node id, which is what sends the module's tests to one worker (a vLLM server started once)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[str]:
+    yield "built once per worker"
+
+
+def test_a_test_sharing_a_module_fixture_is_grouped_with_its_module(
+    shared: str, request: pytest.FixtureRequest
+) -> None:
+    group = request.module.__name__
+    mark = request.node.get_closest_marker("xdist_group")
+    assert mark is not None and mark.args == (group,)
+    if hasattr(request.config, "workerinput") and request.config.getvalue("loadgroup"):  # on a worker
+        assert request.node.nodeid.endswith(f"@{group}"), request.node.nodeid
+
+
+def test_a_test_sharing_nothing_is_not_grouped(request: pytest.FixtureRequest) -> None:
+    assert request.node.get_closest_marker("xdist_group") is None
+    assert "@" not in request.node.nodeid

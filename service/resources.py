@@ -159,12 +159,14 @@ async def finish_driven(
     endings: Endings,
     episode_id: str,
     ending: Ending,
+    token: str,
 ) -> None:
-    """An agent-driven env's episode ended by its driver, as its endpoint's `/finish` ends one."""
+    """An agent-driven env's episode ended by its driver (given `token`), as its endpoint's
+    `/finish` ends one."""
     try:
-        group, ended = await agents.finish(episode_id, ending)
+        group, ended = await agents.finish(episode_id, ending, token)
     except EpisodeClosed:
-        return  # cancelled, or past its idle deadline, meanwhile
+        return  # cancelled meanwhile, or re-queued (this process lost its lease): another attempt's
     endings.agent_finished(group, ended)
 
 
@@ -204,13 +206,12 @@ async def episode_worker(
             env_host,
             database,
             service_url=lambda: settings.service_url,
-            idle_seconds=settings.external_idle_seconds,
             finish=functools.partial(finish_driven, agents, endings),
         )
         worker = EpisodeWorker(
             settings, database, driving, on_finished=endings.result_stored, engine_status=engine.status
         )
-        driving.on_handover = worker.hand_over
+        driving.on_finishing = worker.finishing
         worker.start()
         try:
             yield worker

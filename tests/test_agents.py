@@ -290,7 +290,7 @@ async def test_a_wrong_token_is_refused_without_a_tokenizer(
 
 
 def held(episode_id: str, size: int) -> StoredCall:
-    episode = AgentEpisode(episode_id, "batch", 0, "running", "token", {}, 8, None, 1, 1, None)
+    episode = AgentEpisode(episode_id, "batch", 0, "running", 0, "token", {}, 8, None, 1, 1, None)
     blobs = {name: b"" for name in TOKEN_BLOBS} | {TOKEN_BLOBS[0]: b"x" * size}
     segment = Segment(EpisodeTokens([], [], [], []), [], [])  # no lists: its blobs are its size
     return StoredCall(episode, blobs | {"turns": [], "messages": []}, segment)

@@ -39,6 +39,7 @@ from service.api.errors import (
     error_body,
     error_headers,
 )
+from service.storage.driven import attempt_of, earlier_attempt
 
 logger = logging.getLogger(__name__)
 SSE_MEDIA_TYPE = "text/event-stream"
@@ -92,14 +93,25 @@ async def waiting_episode(
     """The episode, if the token (`Authorization: Bearer`, or Anthropic's `x-api-key`) is its own
     (or an API key whose scope holds its batch) and it waits for its agent. Needs no tokenizer: an
     API-only process answers a 401 without loading one."""
-    with http_errors:
-        episode = await services.agents.episode(episode_id)
-    assert episode.agent_token is not None  # UnknownEpisode otherwise
     # Starlette decodes headers as latin-1: encoding it back gives the bytes as sent.
     key = bearer_key(authorization.encode("latin-1", "replace")) or x_api_key.encode("latin-1", "replace")
-    own = bool(key) and is_one_of(key, [episode.agent_token.encode()])
+    with http_errors:
+        episode = await services.agents.episode(episode_id)
+        if episode.held and not _owns(key, episode) and _driven(episode):
+            # Held by this process, maybe since an earlier attempt of an agent-driven episode.
+            episode = await services.agents.episode(episode_id, fresh=True)
+        if episode.agent_token is None:  # no agent plays it
+            raise UnknownEpisode(f"no external episode {episode_id!r}")
+    token = episode.agent_token.encode()
+    own = _owns(key, episode)
     access = None if own or not key else services.settings.key_table.lookup(key)
     if not own and access is None:
+        if (earlier := earlier_attempt(key, token)) is not None:  # an agent-driven episode's dead attempt
+            raise Conflict(
+                f"episode {episode_id!r} was re-queued (the worker that ran its driver stopped or was "
+                f"lost): this token is attempt {earlier}'s, and attempt {episode.attempt} plays it now; "
+                "nothing is recorded, nothing is finished"
+            )
         raise Unauthorized("missing or invalid token: send 'Authorization: Bearer <the episode's api_key>'")
     if access is not None and not access.owns(episode.batch_id):  # another project's: as if none
         with http_errors:
@@ -107,6 +119,14 @@ async def waiting_episode(
     with http_errors:
         services.agents.check_waiting(episode)
     return episode
+
+
+def _driven(episode: AgentEpisode) -> bool:
+    return episode.agent_token is not None and attempt_of(episode.agent_token.encode()) is not None
+
+
+def _owns(key: bytes, episode: AgentEpisode) -> bool:
+    return bool(key) and episode.agent_token is not None and is_one_of(key, [episode.agent_token.encode()])
 
 
 WaitingEpisode = Annotated[AgentEpisode, Depends(waiting_episode)]

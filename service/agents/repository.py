@@ -1,8 +1,10 @@
 """External agents' episodes in the database: what a call reads and writes, and the finish.
 
 An episode's last segment lives in its row, its closed segments in episode_segments. Calls are
-fenced by `num_turns`: two calls that read the same state cannot both store theirs. How such an
-episode waits in the queue (its owner, its idle deadline) is storage's (service/storage/agents.py).
+fenced by `num_turns`: two calls that read the same state cannot both store theirs; and by the
+agent's token: an agent-driven episode re-queued as a new attempt has a new one, so its dead
+attempt's driver can neither call nor finish it. How such an episode waits in the queue (its owner,
+its idle deadline) is storage's (service/storage/agents.py, service/storage/driven.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Table, Update, bindparam, func, select, update
+from sqlalchemy import Table, Update, bindparam, case, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.loop.tokens import EncodedIds
@@ -47,6 +49,7 @@ class AgentEpisode:
     batch_id: str
     group_index: int
     status: str
+    attempt: int  # an external agent's: 0; an agent-driven env's: its worker's (rids name it)
     agent_token: str | None
     sampling_params: dict[str, Any]
     max_turns: int
@@ -111,6 +114,7 @@ _HEAD = (
     Episode.batch_id,
     Episode.group_index,
     Episode.status,
+    Episode.attempt,
     Episode.agent_token,
     Episode.sampling_params,
     Episode.max_turns,
@@ -122,14 +126,17 @@ _LAST_SEGMENT = tuple(getattr(Episode, name) for name in SEGMENT_COLUMNS)
 
 
 def _store_call_statement() -> Update:
-    """A call's write, built once (as the queue's result write): fenced by the calls stored so far."""
+    """A call's write, built once (as the queue's result write): fenced by the calls stored so far
+    and the agent's token. It pushes an external agent's idle deadline on; an agent-driven episode's
+    lease is its worker's, which heartbeats it."""
     table: Table = Episode.__table__  # type: ignore[assignment]  # a declarative model's Table
+    idle_until = bindparam("idle_until", type_=table.c.lease_expires_at.type)
     return (
         update(table)
         .where(
             table.c.id == bindparam("episode"),
             table.c.status == _RUNNING,
-            table.c.lease_owner == EXTERNAL_OWNER,
+            table.c.agent_token == bindparam("token"),
             func.coalesce(table.c.num_turns, 0) == bindparam("fence"),
         )
         .values(
@@ -137,7 +144,9 @@ def _store_call_statement() -> Update:
             | {
                 table.c.num_turns: bindparam("calls"),
                 table.c.segments: bindparam("segments"),
-                table.c.lease_expires_at: bindparam("idle_until", type_=table.c.lease_expires_at.type),
+                table.c.lease_expires_at: case(
+                    (table.c.lease_owner == EXTERNAL_OWNER, idle_until), else_=table.c.lease_expires_at
+                ),
             }
         )
         .returning(table.c.id)
@@ -158,6 +167,7 @@ async def load_agent_episode(database: Database, episode_id: str) -> AgentEpisod
         batch_id=head.batch_id,
         group_index=head.group_index,
         status=head.status,
+        attempt=head.attempt,
         agent_token=head.agent_token,
         sampling_params=dict(head.sampling_params),
         max_turns=head.max_turns,
@@ -207,11 +217,12 @@ async def store_call(
 ) -> StoredCall | None:
     """Stores a call's outcome: `segment` as the episode's last, `closed` (the segment it
     replaced, if the call started a new one) as segment `episode.segments - 2`. Returns what it
-    stored of the last segment; None, storing nothing, when the episode finished or another call
-    stored first."""
+    stored of the last segment; None, storing nothing, when the episode finished, another call
+    stored first, or its token is no longer `episode.agent_token` (re-queued)."""
     columns = _segment_columns(segment)
     params = {
         "episode": episode.episode_id,
+        "token": episode.agent_token,
         "fence": episode.calls,
         "calls": episode.calls + 1,
         "segments": episode.segments,
@@ -251,13 +262,14 @@ async def finish_agent_episode(
     database: Database,
     episode_id: str,
     ending: Ending,
+    token: str,
 ) -> tuple[tuple[str, int], EpisodeStatus] | None:
-    """Ends a waiting external episode as its agent says, unless it made no call: then it ends
-    `failed` (a `completed` or `truncated` row without tokens would reach trainers). Returns its
-    (batch id, group index) and the status it ended with, or None when it is not waiting
-    (finished, cancelled, timed out)."""
+    """Ends a waiting external episode as its agent (the holder of `token`) says, unless it made no
+    call: then it ends `failed` (a `completed` or `truncated` row without tokens would reach
+    trainers). Returns its (batch id, group index) and the status it ended with, or None when it is
+    not waiting (finished, cancelled, timed out) or `token` is no longer its own (re-queued)."""
     async with database.writer.begin() as session:
-        row = await _waiting_row(session, episode_id)  # locked: no call stores meanwhile
+        row = await _waiting_row(session, episode_id, token)  # locked: no call stores meanwhile
         if row is None:
             return None
         status, error = ending.status, ending.error
@@ -273,9 +285,9 @@ async def finish_agent_episode(
         return (row.batch_id, row.group_index), status
 
 
-async def _waiting_row(session: AsyncSession, episode_id: str) -> Episode | None:
+async def _waiting_row(session: AsyncSession, episode_id: str, token: str) -> Episode | None:
     return await session.scalar(
         select(Episode)
-        .where(Episode.id == episode_id, Episode.status == _RUNNING, Episode.lease_owner == EXTERNAL_OWNER)
+        .where(Episode.id == episode_id, Episode.status == _RUNNING, Episode.agent_token == token)
         .with_for_update()
     )

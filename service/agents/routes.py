@@ -29,6 +29,7 @@ async def finish(body: FinishEpisode, services: ServicesDep, episode: WaitingEpi
     `status` says so): the model never played it, so it is no sample."""
     with http_errors:
         ending = Ending(EpisodeStatus(body.status), body.reward, body.info, body.error)
-        group, status = await services.agents.finish(episode.episode_id, ending)
+        assert episode.agent_token is not None  # WaitingEpisode: an agent plays it
+        group, status = await services.agents.finish(episode.episode_id, ending, episode.agent_token)
     services.endings.agent_finished(group, status)
     return FinishedOut(episode_id=episode.episode_id, status=status.value)

@@ -79,12 +79,15 @@ class AgentSessions:
         self.idle_seconds = idle_seconds
         self.held = HeldEpisodes(held_bytes)
 
-    async def episode(self, episode_id: str) -> AgentEpisode:
-        """The episode as this process stored it last, else as the database has it; raises
-        UnknownEpisode when there is none an external agent plays."""
+    async def episode(self, episode_id: str, *, fresh: bool = False) -> AgentEpisode:
+        """The episode as this process stored it last (unless `fresh`), else as the database has
+        it; raises UnknownEpisode when there is none. Its `agent_token` is None when no agent plays
+        it (not an external agent's, or an agent-driven env's between two attempts)."""
+        if fresh:
+            self.held.pop(episode_id)
         held = self.held.get(episode_id)
         episode = held.restored() if held is not None else await load_agent_episode(self.database, episode_id)
-        if episode is None or episode.agent_token is None:
+        if episode is None:
             raise UnknownEpisode(f"no external episode {episode_id!r}")
         return episode
 
@@ -105,6 +108,11 @@ class AgentSessions:
             fresh = await load_agent_episode(self.database, episode.episode_id)
             if fresh is None or not fresh.waiting:
                 raise EpisodeClosed(f"episode {episode.episode_id!r} takes no more calls")
+            if fresh.agent_token != episode.agent_token:  # re-queued: another attempt's agent plays it
+                raise EpisodeClosed(
+                    f"episode {episode.episode_id!r} was re-queued: attempt {fresh.attempt} runs it now, "
+                    f"and the calls of attempt {episode.attempt} are not recorded"
+                )
             stored, answer = await self._answer_and_store(fresh, call, stream)
         if stored is None:
             raise EpisodeClosed(
@@ -150,11 +158,13 @@ class AgentSessions:
         self,
         episode_id: str,
         ending: Ending,
+        token: str,
     ) -> tuple[tuple[str, int], EpisodeStatus]:
-        """Ends the episode as its agent says (`failed` if it made no call); returns its (batch id,
-        group index) and the status it ended with. Raises EpisodeClosed when it already ended."""
-        ended = await finish_agent_episode(self.database, episode_id, ending)
+        """Ends the episode as its agent, the holder of `token`, says (`failed` if it made no
+        call); returns its (batch id, group index) and the status it ended with. Raises
+        EpisodeClosed when it already ended, or was re-queued since (a new attempt, a new token)."""
+        ended = await finish_agent_episode(self.database, episode_id, ending, token)
         self.held.pop(episode_id)
         if ended is None:
-            raise EpisodeClosed(f"episode {episode_id!r} already ended")
+            raise EpisodeClosed(f"episode {episode_id!r} already ended, or was re-queued: not finished")
         return ended

@@ -174,7 +174,7 @@ class AgentTurns:
         prompt_tokens = len(trajectory.prompt_ids) + len(trajectory.response_ids)
         params = _sampling(episode, call, len(trajectory.response_ids))
         records: list[TurnRecord] = []
-        rid = f"{attempt_rid_prefix(episode.episode_id, 0)}{episode.calls}"
+        rid = f"{attempt_rid_prefix(episode.episode_id, episode.attempt)}{episode.calls}"
         engine: Engine = self.engine
         if stream is not None:
             stream.prompt_tokens = prompt_tokens

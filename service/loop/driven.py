@@ -1,13 +1,15 @@
 """Episodes of agent-driven envs (EnvSpec.driver: verifiers environments), which own their rollout
 loop and call the model themselves.
 
-The worker claims such an episode as any other; this runner then hands it over to an agent (a token
-of its own, its idle deadline as its lease: service/storage/driven.py) and has the env's driver
-play it in an env worker against the episode's own OpenAI endpoint (service/agents): every model
-call is recorded there with exact tokens, resumed across weight updates and bounded by the
-episode's limits. It finishes the episode as that endpoint's `/finish` does, in this process (no
-HTTP round trip to itself), with the driver's reward and info, or its error (never a reward of 0).
-Other envs run the service's own loop.
+The worker claims such an episode as any other; this runner then gives it a token for its agent
+(service/storage/driven.py) and has the env's driver play it in an env worker against the episode's
+own OpenAI endpoint (service/agents): every model call is recorded there with exact tokens, resumed
+across weight updates and bounded by the episode's limits. The worker keeps the episode's lease and
+heartbeats it meanwhile: if this process dies, the driver dies with it, and the lease sweep
+re-queues the episode as a new attempt, which voids the token. It finishes the episode as that
+endpoint's `/finish` does, in this process (no HTTP round trip to itself), with the driver's reward
+and info, or its error (never a reward of 0), fenced on the token. Other envs run the service's own
+loop.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class Drivers(Protocol):
 
 
 class Finish(Protocol):
-    async def __call__(self, episode_id: str, ending: Ending) -> None:
-        """Ends a handed-over episode as its agent's `/finish` does (nothing if it ended already)."""
+    async def __call__(self, episode_id: str, ending: Ending, token: str) -> None:
+        """Ends a handed-over episode as its agent's `/finish` does, if `token` is still its own
+        (nothing if it ended already, or was re-queued)."""
 
 
 class DrivingRunner:
@@ -65,17 +68,16 @@ class DrivingRunner:
         database: Database,
         *,
         service_url: Callable[[], str | None],
-        idle_seconds: float,
         finish: Finish,
     ) -> None:
         self.inner = inner
         self.drivers = drivers
         self.database = database
         self.service_url = service_url  # SERVICE_URL, read at each handover
-        self.idle_seconds = idle_seconds
         self.finish = finish
-        # Told the episode's id once it is handed over: the worker no longer holds its lease.
-        self.on_handover: Callable[[str], None] = lambda episode_id: None
+        # Told the episode's id as its finish starts: the worker must not cancel it halfway (a
+        # lost lease, a cancelled batch: the finish's fence has them).
+        self.on_finishing: Callable[[str], None] = lambda episode_id: None
 
     @property
     def newest_version(self) -> int | None:  # its own loop's: drivers' calls go through agents' endpoint
@@ -89,13 +91,13 @@ class DrivingRunner:
         request = spec.request
         if not self.drivers.driven(request.env):
             return await self.inner.run(spec)
-        token = await hand_to_agent(self.database, spec.episode_id, spec.attempt, self.idle_seconds)
+        token = await hand_to_agent(self.database, spec.episode_id, spec.attempt)
         if token is None:
             return None  # cancelled, or no longer this attempt's: nothing to do
-        self.on_handover(spec.episode_id)
         service_url = self.service_url()
         if service_url is None:
-            await self._finish(spec.episode_id, DriveOutcome(None, error=NO_SERVICE_URL, env_error=False))
+            outcome = DriveOutcome(None, error=NO_SERVICE_URL, env_error=False)
+            await self._finish(spec.episode_id, token, outcome)
             return None
         drive = DriveRequest(
             base_url=f"{service_url.rstrip('/')}/v1/episodes/{spec.episode_id}",
@@ -117,10 +119,11 @@ class DrivingRunner:
         except EnvError as error:
             failure = f"env driver failed: {error}"
             outcome = DriveOutcome(None, error=failure, env_error=not error.infrastructure)
-        await self._finish(spec.episode_id, outcome)
+        await self._finish(spec.episode_id, token, outcome)
         return None
 
-    async def _finish(self, episode_id: str, outcome: DriveOutcome) -> None:
+    async def _finish(self, episode_id: str, token: str, outcome: DriveOutcome) -> None:
+        self.on_finishing(episode_id)
         if outcome.truncated:
             status = EpisodeStatus.TRUNCATED
         elif outcome.error is None:
@@ -132,7 +135,7 @@ class DrivingRunner:
         else:
             ending = Ending(status, None, outcome.info, outcome.error[:10_000])
         try:
-            await self._finish_with_retries(episode_id, ending)
+            await self._finish_with_retries(episode_id, token, ending)
         except Exception as failure:
             if not is_refused(failure):
                 raise
@@ -140,11 +143,11 @@ class DrivingRunner:
             # the episode fails saying so, never rewarded.
             logger.error("driven episode %s: its ending cannot be stored: %s", episode_id, failure)
             refused = f"the driver's ending could not be stored: {failure}"[:2000]
-            await self._finish_with_retries(episode_id, Ending(EpisodeStatus.FAILED, error=refused))
+            await self._finish_with_retries(episode_id, token, Ending(EpisodeStatus.FAILED, error=refused))
 
-    async def _finish_with_retries(self, episode_id: str, ending: Ending) -> None:
+    async def _finish_with_retries(self, episode_id: str, token: str, ending: Ending) -> None:
         """Through a database outage, as the worker holds a result (past FINISH_RETRY_SECONDS the
-        episode fails at its idle deadline, EXTERNAL_IDLE_SECONDS, never rewarded)."""
+        error goes to the worker, which stores the episode failed with it, never rewarded)."""
         retrying = AsyncRetrying(
             retry=retry_if_exception(is_transient),
             wait=backoff(FINISH_BACKOFF_SECONDS, FINISH_BACKOFF_MAX_SECONDS),
@@ -153,4 +156,4 @@ class DrivingRunner:
         )
         async for attempt in retrying:
             with attempt:
-                await self.finish(episode_id, ending)
+                await self.finish(episode_id, ending, token)

@@ -1,27 +1,55 @@
 """Agent-driven envs' episodes (EnvSpec.driver, e.g. verifiers'): a worker that claimed one hands it
-over to its driver as an external agent's episode (service/storage/agents.py): a token of its own,
-the owner EXTERNAL_OWNER, and its idle deadline as its lease. The driver then plays it through the
-episode's own OpenAI endpoint; the service ends it as that endpoint's `/finish` does
-(service/loop/driven.py)."""
+over to its driver, which plays it as an external agent plays its episode (service/agents): with a
+token of its own, through the episode's own OpenAI endpoint. The service ends it as that
+endpoint's `/finish` does (service/loop/driven.py).
+
+Unlike an external agent's episode, it stays leased to its worker, which heartbeats it while the
+driver plays: if that worker dies (a crash, a kill, a restart), the lease sweep re-queues it as a
+new attempt (service/storage/queue.py), which clears the dead attempt's token, calls and segments.
+The token names its attempt (`<attempt>.<secret>`): an agent's calls and finish are fenced on the
+episode's current token, and one that sends an earlier attempt's token is told so
+(`earlier_attempt`) instead of being refused as a stranger.
+"""
 
 from __future__ import annotations
 
 import secrets
-from datetime import timedelta
 
 from sqlalchemy import update
 
 from service.records import EpisodeStatus
-from service.storage.agents import EXTERNAL_OWNER
-from service.storage.db import Database, utcnow
+from service.storage.db import Database
 from service.storage.models import Episode
 
 
-async def hand_to_agent(database: Database, episode_id: str, attempt: int, idle_seconds: float) -> str | None:
-    """Hands the running attempt `attempt` of the episode over to an agent; its token, or None if
-    the attempt no longer runs (cancelled, or its lease was lost meanwhile)."""
-    token = secrets.token_urlsafe(32)
-    now = utcnow()
+def attempt_token(attempt: int) -> str:
+    """A new token for attempt `attempt` of an episode: the attempt, a dot, a secret (URL-safe
+    base64 has no dot)."""
+    return f"{attempt}.{secrets.token_urlsafe(32)}"
+
+
+def attempt_of(token: bytes) -> int | None:
+    """The attempt an agent-driven episode's token was given for; None for any other token."""
+    tag, dot, secret = token.partition(b".")
+    if not dot or not secret or not tag.isdigit() or len(tag) > 9:
+        return None
+    return int(tag)
+
+
+def earlier_attempt(key: bytes, token: bytes) -> int | None:
+    """The attempt `key` was the token of, when `token` is an agent-driven episode's token of a
+    later attempt (the episode was re-queued since); None for any other key, or episode."""
+    given, current = attempt_of(key), attempt_of(token)
+    if given is None or current is None or given >= current:
+        return None
+    return given
+
+
+async def hand_to_agent(database: Database, episode_id: str, attempt: int) -> str | None:
+    """Gives the running attempt `attempt` of the episode a token for its driver (the worker keeps
+    its lease); the token, or None if the attempt no longer runs (cancelled, or its lease was lost
+    meanwhile)."""
+    token = attempt_token(attempt)
     async with database.writer.begin() as session:
         rows = await session.execute(
             update(Episode)
@@ -31,11 +59,7 @@ async def hand_to_agent(database: Database, episode_id: str, attempt: int, idle_
                 Episode.status == EpisodeStatus.RUNNING.value,
                 Episode.agent_token.is_(None),
             )
-            .values(
-                lease_owner=EXTERNAL_OWNER,
-                lease_expires_at=now + timedelta(seconds=idle_seconds),
-                agent_token=token,
-            )
+            .values(agent_token=token)
             .returning(Episode.id)
             .execution_options(synchronize_session=False)
         )

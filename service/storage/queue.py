@@ -13,25 +13,46 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, String, Table, Update, bindparam, cast, literal, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Row,
+    String,
+    Table,
+    Update,
+    bindparam,
+    cast,
+    delete,
+    literal,
+    select,
+    update,
+)
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.storage import blobs
 from service.storage.agents import EXTERNAL_OWNER
 from service.storage.db import IN_LIST_CHUNK, Database, utcnow
-from service.storage.models import REQUEST_COLUMNS, Batch, Episode
+from service.storage.models import REQUEST_COLUMNS, Batch, Episode, EpisodeSegment
 from service.storage.writer import Transactions
 
 _QUEUED = EpisodeStatus.QUEUED.value
 _RUNNING = EpisodeStatus.RUNNING.value
-# A re-queued episode runs again as a new attempt: attempt + 1 fences out the old lease holder.
+# A re-queued episode runs again as a new attempt: attempt + 1 fences out the old lease holder. An
+# agent-driven episode's attempt (storage/driven.py) loses its token, the calls its driver made and
+# its closed segments (_drop_segments): the new attempt's driver starts afresh, and the old token
+# can neither call nor finish.
 _REQUEUED: dict[str, Any] = {
     "status": _QUEUED,
     "attempt": Episode.attempt + 1,
     "lease_owner": None,
     "lease_expires_at": None,
     "started_at": None,
+    "agent_token": None,
+    "num_turns": None,
+    "segments": 1,
+    **dict.fromkeys(blobs.TOKEN_BLOBS),
+    "turns": None,
+    "messages": None,
 }
 
 
@@ -219,7 +240,15 @@ async def requeue_expired(
             .returning(Episode.id)
             .execution_options(synchronize_session=False)
         )
-        return len(failed.all()) + len(requeued.all())
+        requeued_ids = list(requeued)
+        await _drop_segments(session, requeued_ids)
+        return len(failed.all()) + len(requeued_ids)
+
+
+async def _drop_segments(session: AsyncSession, episode_ids: Sequence[str]) -> None:
+    """Deletes the closed segments of re-queued episodes (an agent-driven one's dead attempt)."""
+    for chunk in _chunks(sorted(episode_ids)):
+        await session.execute(delete(EpisodeSegment).where(EpisodeSegment.episode_id.in_(chunk)))
 
 
 async def finish_episode(
@@ -353,7 +382,9 @@ async def release_episodes(
             result = await session.scalars(
                 statement.values(**values).returning(Episode.id).execution_options(synchronize_session=False)
             )
-            released += len(result.all())
+            ids = list(result)
+            await _drop_segments(session, ids)
+            released += len(ids)
     return released
 
 

@@ -52,9 +52,9 @@ FinishedHook = Callable[[ClaimedEpisode, EpisodeResult], None]
 class _Running:
     claim: ClaimedEpisode
     task: asyncio.Task[None]
-    writing: bool = False  # its result write has started: a late lease renewal must not cancel it
-    # Handed over to its agent (an agent-driven env's driver): its lease is the agent's now.
-    handed_over: bool = False
+    # Its result write (or an agent-driven episode's finish) has started: a late lease renewal
+    # must not cancel it.
+    writing: bool = False
 
 
 def new_worker_id() -> str:
@@ -101,10 +101,11 @@ class EpisodeWorker:
         """New work was enqueued: claim now instead of at the next poll."""
         self._wake.set()
 
-    def hand_over(self, episode_id: str) -> None:
-        """The episode was handed over to its agent (loop/driven.py): the heartbeat leaves it be."""
+    def finishing(self, episode_id: str) -> None:
+        """An agent-driven episode's finish started (loop/driven.py): fenced on its token, it is
+        not to be cancelled halfway, as a result write is not."""
         if (running := self.running.get(episode_id)) is not None:
-            running.handed_over = True
+            running.writing = True
 
     def cancel(self, episode_ids: Collection[str]) -> set[str]:
         """Stops those of `episode_ids` that run here (their batch was cancelled): cancelling an
@@ -306,7 +307,7 @@ class EpisodeWorker:
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.lease_seconds / 3
         while await self._pause(interval):
-            ids = [episode_id for episode_id, running in self.running.items() if not running.handed_over]
+            ids = list(self.running)
             if not ids:
                 continue
             try:
@@ -319,8 +320,8 @@ class EpisodeWorker:
                 continue
             for episode_id in set(ids) - renewed:
                 running = self.running.get(episode_id)
-                # Writing, or handed over to its agent meanwhile: no longer a lease to keep.
-                if running is None or running.writing or running.handed_over or running.task.done():
+                # Writing meanwhile: no longer a lease to keep.
+                if running is None or running.writing or running.task.done():
                     continue
                 # Re-queued behind its back (another worker runs it), or its batch was cancelled.
                 logger.warning("lost the lease of episode %s; stopped", episode_id)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib
 import os
 import shutil
 import uuid
@@ -213,6 +214,15 @@ async def client(database_url: str, sim: tuple[SimWorker, str]) -> AsyncIterator
     app = create_app(service_settings(database_url, sim[1]))
     async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         yield http
+
+
+@pytest.fixture(scope="session")
+def openenv_client() -> None:
+    """openenv-core's client imported before a test starts a service with an OpenEnv env: the
+    service imports it then, and that import (gradio with it: about 5 s of CPU) outlasted the
+    start-up timeout on a loaded machine. A fixture, not an import at the top of the test modules,
+    so that only the workers running these tests pay it, not every worker's collection."""
+    importlib.import_module("service.envs.remote.openenv")
 
 
 WIDER_SCOPES = {"package", "module", "class"}

@@ -9,10 +9,9 @@ import asyncio
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
 import pyarrow as pa
 import pytest
 
@@ -28,6 +27,11 @@ from tests.support.agents import ANSWER, QUESTION, SYSTEM, TOOLS, finish, open_e
 from tests.support.contract import GenerateCall, assert_tokens_match_calls, generate_call, sim_calls
 from tests.support.tokenizer import load_test_tokenizer
 
+# The SDK is imported where it is used: at the top of the module, every pytest-xdist worker paid for
+# it (about a second of CPU) while collecting, whether it ran these tests or not.
+if TYPE_CHECKING:
+    import openai
+
 
 @pytest.fixture
 def service(agent_service: httpx.AsyncClient) -> httpx.AsyncClient:
@@ -35,6 +39,8 @@ def service(agent_service: httpx.AsyncClient) -> httpx.AsyncClient:
 
 
 def agent_client(agent: dict[str, Any]) -> openai.AsyncOpenAI:
+    import openai
+
     return openai.AsyncOpenAI(base_url=agent["base_url"], api_key=agent["api_key"], max_retries=0)
 
 
@@ -196,6 +202,8 @@ async def test_each_episode_opens_with_its_own_token_only(
 async def test_finished_and_idle_episodes_take_no_more_calls(
     database_url: str, agent_sim: tuple[SimWorker, str]
 ) -> None:
+    import openai
+
     settings = service_settings(
         # 3 s: with 1 s, a loaded machine (4 test workers on 2 cores) let the played episode time out
         # between its call and its finish (409).

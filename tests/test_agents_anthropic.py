@@ -6,9 +6,8 @@ gets one segment, exact against the engine's request log."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import httpx
 import pytest
 
@@ -19,6 +18,11 @@ from tests.support.agents import ANSWER, QUESTION, SYSTEM, TOOLS, finish, open_e
 from tests.support.contract import assert_tokens_match_calls, sim_calls
 from tests.support.tokenizer import load_test_tokenizer
 
+# The SDK is imported where it is used: at the top of the module, every pytest-xdist worker paid for
+# it (seconds of CPU) while collecting, whether it ran these tests or not.
+if TYPE_CHECKING:
+    import anthropic
+
 TOOL = {
     "name": "get_weather",
     "description": "The weather in a city.",
@@ -27,6 +31,8 @@ TOOL = {
 
 
 def claude(agent: dict[str, Any]) -> anthropic.AsyncAnthropic:
+    import anthropic
+
     return anthropic.AsyncAnthropic(base_url=agent["base_url"], api_key=agent["api_key"], max_retries=0)
 
 
@@ -100,6 +106,8 @@ async def test_a_claude_agent_that_replays_its_history_gets_one_exact_segment(
 async def test_max_tokens_and_errors_in_anthropics_shape(
     agent_service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str]
 ) -> None:
+    import anthropic
+
     first, second = await open_episodes(agent_service, samples=2)
     question = [{"role": "user", "content": QUESTION["content"]}]
     async with claude(first) as llm:

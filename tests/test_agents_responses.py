@@ -6,12 +6,10 @@ segment, exact against the engine's request log."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
 import pytest
-from agents import Agent, OpenAIResponsesModel, RunConfig, Runner, function_tool
 
 from service.agents.conversation import Answer, ToolCall, template_message
 from service.agents.openai_responses import ResponseEvents, ResponsesRequest, response_body
@@ -20,10 +18,18 @@ from tests.support.agents import ANSWER, QUESTION, SYSTEM, TOOLS, finish, open_e
 from tests.support.contract import assert_tokens_match_calls, sim_calls
 from tests.support.tokenizer import load_test_tokenizer
 
+# The SDKs are imported where they are used: at the top of the module, every pytest-xdist worker paid
+# for them (seconds of CPU) while collecting, whether it ran these tests or not.
+if TYPE_CHECKING:
+    import openai
+    from agents import Agent, RunConfig
+
 TOOL = {"type": "function", **TOOLS[0]["function"]}  # type: ignore[dict-item]
 
 
 def llm(agent: dict[str, Any]) -> openai.AsyncOpenAI:
+    import openai
+
     return openai.AsyncOpenAI(base_url=agent["base_url"], api_key=agent["api_key"], max_retries=0)
 
 
@@ -82,6 +88,8 @@ async def test_chained_responses_get_one_exact_segment(
 async def test_a_response_continued_from_an_earlier_one_branches_into_a_new_exact_segment(
     agent_service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str]
 ) -> None:
+    import openai
+
     agent, other = await open_episodes(agent_service, samples=2)
     episode_id = agent["episode_id"]
 
@@ -195,6 +203,8 @@ async def test_streamed_responses_replaying_their_items_are_recorded_the_same(
 
 
 async def run(agent: Agent[Any], given: Any, config: RunConfig, streamed: bool) -> Any:
+    from agents import Runner
+
     if not streamed:
         return await Runner.run(agent, given, run_config=config)
     result = Runner.run_streamed(agent, given, run_config=config)
@@ -207,6 +217,8 @@ async def run(agent: Agent[Any], given: Any, config: RunConfig, streamed: bool) 
 async def test_an_agents_sdk_agent_over_several_turns_gets_one_exact_segment(
     agent_service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str], streamed: bool
 ) -> None:
+    from agents import Agent, OpenAIResponsesModel, RunConfig, function_tool
+
     (agent,) = await open_episodes(agent_service)
     cities: list[str] = []
 
@@ -232,6 +244,8 @@ async def test_an_agents_sdk_agent_over_several_turns_gets_one_exact_segment(
 async def test_an_agents_sdk_agent_chaining_its_responses_and_branching_from_an_earlier_one(
     agent_service: httpx.AsyncClient, agent_sim: tuple[SimWorker, str]
 ) -> None:
+    from agents import Agent, OpenAIResponsesModel, RunConfig, Runner, function_tool
+
     (agent,) = await open_episodes(agent_service)
 
     @function_tool
@@ -265,6 +279,8 @@ async def test_an_agents_sdk_agent_chaining_its_responses_and_branching_from_an_
 
 
 async def test_refusals_and_a_cut_answer(agent_service: httpx.AsyncClient) -> None:
+    import openai
+
     (first,) = await open_episodes(agent_service)
     async with llm(first) as client:
         with pytest.raises(openai.UnprocessableEntityError, match="built-in tools"):

@@ -12,9 +12,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import anthropic
 import httpx
-import openai
 import pytest
 
 from service.agents.streaming import GONE, TextDeltas, shown_text
@@ -53,7 +51,11 @@ async def service(database_url: str, paced_sim: tuple[SimWorker, str]) -> AsyncI
         yield http
 
 
+# Each SDK is imported where it is used: at the top of the module, every pytest-xdist worker paid for
+# them (seconds of CPU) while collecting, whether it ran these tests or not.
 async def _chat(agent: dict[str, Any]) -> list[tuple[float, str]]:
+    import openai
+
     async with openai.AsyncOpenAI(base_url=agent["base_url"], api_key=agent["api_key"], max_retries=0) as llm:
         chunks = await llm.chat.completions.create(model="policy", messages=QUESTION, stream=True)  # type: ignore[arg-type]
         return [
@@ -64,6 +66,8 @@ async def _chat(agent: dict[str, Any]) -> list[tuple[float, str]]:
 
 
 async def _messages(agent: dict[str, Any]) -> list[tuple[float, str]]:
+    import anthropic
+
     base_url = agent["base_url"]
     async with anthropic.AsyncAnthropic(base_url=base_url, api_key=agent["api_key"], max_retries=0) as llm:
         async with llm.messages.stream(model="policy", max_tokens=256, messages=QUESTION) as events:  # type: ignore[arg-type]
@@ -71,6 +75,8 @@ async def _messages(agent: dict[str, Any]) -> list[tuple[float, str]]:
 
 
 async def _responses(agent: dict[str, Any]) -> list[tuple[float, str]]:
+    import openai
+
     async with openai.AsyncOpenAI(base_url=agent["base_url"], api_key=agent["api_key"], max_retries=0) as llm:
         events = await llm.responses.create(model="policy", input="How is the weather?", stream=True)
         return [
@@ -81,6 +87,8 @@ async def _responses(agent: dict[str, Any]) -> list[tuple[float, str]]:
 
 
 async def _plain(agent: dict[str, Any]) -> None:
+    import openai
+
     async with openai.AsyncOpenAI(base_url=agent["base_url"], api_key=agent["api_key"], max_retries=0) as llm:
         answer = await llm.chat.completions.create(model="policy", messages=QUESTION)  # type: ignore[arg-type]
         assert answer.choices[0].message.content == LONG

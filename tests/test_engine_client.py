@@ -11,9 +11,7 @@ from typing import Any
 import httpx
 import pytest
 import uvloop
-from transformers import AutoTokenizer
 
-from service.config import TEST_TOKENIZER_DIR
 from service.engine.client import (
     EngineError,
     EngineRequestError,
@@ -29,10 +27,13 @@ from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from tests.support.polling import until
 from tests.support.ports import refused_url
+from tests.support.tokenizer import load_test_tokenizer
 
 FAST = SimConfig(latency_seconds=0.0, noncanonical_rate=0.5)
-TOKENIZER = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
-EOS = TOKENIZER.convert_tokens_to_ids("<|im_end|>")
+
+
+def eos() -> int:
+    return int(load_test_tokenizer().convert_tokens_to_ids("<|im_end|>"))
 
 
 def prompt() -> list[int]:
@@ -40,8 +41,9 @@ def prompt() -> list[int]:
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": tasks("train")[0].instruction},
     ]
-    text = TOKENIZER.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    return list(TOKENIZER.encode(text, add_special_tokens=False))
+    tokenizer = load_test_tokenizer()
+    text = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def make_client(http: httpx.AsyncClient, base_url: str = "http://sim", **overrides: Any) -> SGLangClient:
@@ -78,8 +80,8 @@ async def test_generate_sends_only_router_fields_and_parses(
         "rid": "ep:0:0",
     }
     assert generation.finish_type == "stop"
-    assert generation.finish_reason == {"type": "stop", "matched": EOS}
-    assert generation.output_ids[-1] == EOS
+    assert generation.finish_reason == {"type": "stop", "matched": eos()}
+    assert generation.output_ids[-1] == eos()
     assert len(generation.logprobs) == len(generation.output_ids)
     assert all(-3.0 < logprob <= 0.0 for logprob in generation.logprobs)
     assert generation.weight_version == "default"
@@ -91,8 +93,8 @@ async def test_generate_sends_only_router_fields_and_parses(
 async def test_output_ids_are_noncanonical_yet_decode_to_the_text(http: httpx.AsyncClient) -> None:
     generation = await make_client(http).generate(prompt(), {"max_new_tokens": 200}, "nc:0:0")
     body_ids = generation.output_ids[:-1]
-    assert body_ids != TOKENIZER.encode(generation.text, add_special_tokens=False)
-    assert TOKENIZER.decode(body_ids) == generation.text
+    assert body_ids != load_test_tokenizer().encode(generation.text, add_special_tokens=False)
+    assert load_test_tokenizer().decode(body_ids) == generation.text
 
 
 async def test_without_the_stop_token() -> None:
@@ -100,8 +102,8 @@ async def test_without_the_stop_token() -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_sim_app(worker=worker))) as http:
         generation = await make_client(http).generate(prompt(), {"max_new_tokens": 200}, "ns:0:0")
     assert generation.finish_type == "stop"
-    assert generation.output_ids[-1] != EOS
-    assert TOKENIZER.decode(generation.output_ids) == generation.text
+    assert generation.output_ids[-1] != eos()
+    assert load_test_tokenizer().decode(generation.output_ids) == generation.text
     assert len(generation.logprobs) == len(generation.output_ids)
 
 

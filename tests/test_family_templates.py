@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers.utils.chat_template_utils import render_jinja_template
 
 from service.envs.base import Action
 from service.loop.toolcalls import format_of_template, get_parser, strip_reasoning
@@ -94,6 +93,10 @@ FAMILIES: dict[str, tuple[str, Any, dict[str, str], bool, int]] = {
 def render(
     template: str, messages: list[dict[str, Any]], variables: dict[str, str], *, generation: bool
 ) -> str:
+    # Imported here: at the top of the module, every pytest-xdist worker paid for transformers (1.5 s
+    # of CPU) while collecting.
+    from transformers.utils.chat_template_utils import render_jinja_template
+
     rendered, _ = render_jinja_template(
         conversations=[messages],
         tools=TOOLS,

@@ -4,6 +4,7 @@ entry in info; end to end through the service with the simulated worker."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -21,7 +22,11 @@ from service.sim.policy import parse_chatml
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from tests.conftest import service_settings
 
-pytest.importorskip("reasoning_gym")
+# Looked up, not imported: importing reasoning-gym (about 2 s of CPU) here made every pytest-xdist
+# worker pay for it while collecting; the tests that run its datasets import it.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("reasoning_gym") is None, reason="reasoning-gym is not installed"
+)
 
 DATASETS = ["chain_sum", "letter_counting", "word_sorting", "spell_backward", "gcd", "basic_arithmetic"]
 

@@ -17,10 +17,6 @@ import pytest
 
 from service.app import create_app
 from service.envs.base import RESPOND_ACTION_NAME, Action
-
-# The service imports it at start; openenv-core's import (gradio with it) outlasted the start-up
-# timeout on a loaded machine, so it is paid here, at collection.
-from service.envs.remote import openenv as _openenv  # noqa: F401
 from service.envs.remote.config import RemoteEnvConfig, parse_remote_envs
 from service.envs.remote.errors import EnvServerDown, EnvServerTimeout
 from service.envs.remote.opener import RemoteEnvs
@@ -69,7 +65,7 @@ async def finished_batch(client: httpx.AsyncClient, batch_id: str) -> dict[str, 
 
 
 @pytest.fixture(scope="module")
-def two_servers() -> Iterator[list[EnvServer]]:
+def two_servers(openenv_client: None) -> Iterator[list[EnvServer]]:
     with env_servers(2) as servers:
         yield servers
 
@@ -231,6 +227,7 @@ async def test_a_plain_answer_ends_the_episode_or_goes_to_the_respond_tool(
         await envs.close()
 
 
+@pytest.mark.usefixtures("openenv_client")
 async def test_a_server_killed_mid_batch_fails_its_episodes_as_retryable_and_leaves_placement() -> None:
     with env_servers(2) as servers:
         config = RemoteEnvConfig.model_validate(remote_config(servers))

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction
 
 from service.app import create_app
 from service.envs.base import Action
@@ -41,7 +40,7 @@ def guess_oracle(prompt_text: str, key: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def both_servers() -> Iterator[tuple[EnvServer, EnvServer]]:
+def both_servers(openenv_client: None) -> Iterator[tuple[EnvServer, EnvServer]]:
     """The example's plain action env and its MCP counter env, started together (each takes long
     to import openenv-core on a loaded machine)."""
     guess, counter = launch_server(command=GUESS_SERVER), launch_server()
@@ -67,6 +66,8 @@ def counter_server(both_servers: tuple[EnvServer, EnvServer]) -> EnvServer:
 
 def test_the_wire_dicts_are_openenv_cores_types() -> None:
     """The actions built without pydantic on the hot path are what openenv-core's types dump."""
+    from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction
+
     assert (
         call_tool_payload("add", {"n": 2}) == CallToolAction(tool_name="add", arguments={"n": 2}).model_dump()
     )
@@ -170,6 +171,7 @@ async def test_a_shutdown_ends_every_session_on_the_servers(
     await wait_closed([counter_server])
 
 
+@pytest.mark.usefixtures("openenv_client")
 async def test_a_dead_servers_episodes_say_which_server_failed_and_how(database_url: str) -> None:
     """A server that is gone (nothing listens at its URL any more) refuses the connection."""
     sim = SimWorker(SimConfig(latency_seconds=0.01, policy=counter_oracle))

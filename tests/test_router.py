@@ -14,15 +14,14 @@ from typing import Any
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
-from service.config import TEST_TOKENIZER_DIR
 from service.engine.client import EngineRequestError, SGLangClient
 from service.engine.placement import Route, current_route
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, tasks
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from tests.support.polling import until
 from tests.support.ports import free_port
+from tests.support.tokenizer import load_test_tokenizer
 
 ROUTER_START_TIMEOUT_SECONDS = 60.0
 ROUTER_STOP_TIMEOUT_SECONDS = 10.0
@@ -38,7 +37,6 @@ ROUTER_DEFAULT_FIELDS = {
     "return_bytes": False,
     "return_entropy": False,
 }
-TOKENIZER = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
 
 
 @dataclass
@@ -99,8 +97,9 @@ def messages_of(task_index: int) -> list[dict[str, Any]]:
 
 
 def prompt_ids(messages: list[dict[str, Any]]) -> list[int]:
-    text = TOKENIZER.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    return list(TOKENIZER.encode(text, add_special_tokens=False))
+    tokenizer = load_test_tokenizer()
+    text = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def client_for(http: httpx.AsyncClient, url: str) -> SGLangClient:

@@ -6,19 +6,21 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from service.config import TEST_TOKENIZER_DIR
 from service.envs.base import RESPOND_ACTION_NAME, Action
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, ShopEnv, oracle_plan, tasks
 from service.records import rid_attempt_key
 from service.sim.policy import AFTER_PLAN_REPLY, UNKNOWN_REPLY, parse_chatml
 from service.sim.worker import SimConfig, SimWorker, create_sim_app
 from tests.support.polling import until
+from tests.support.tokenizer import load_test_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 NO_MISTAKES = SimConfig(
     latency_seconds=0.0,
@@ -31,7 +33,7 @@ NO_MISTAKES = SimConfig(
 
 @cache
 def tokenizer() -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+    return load_test_tokenizer()
 
 
 def prompt_ids(messages: list[dict[str, Any]]) -> list[int]:

@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import select
-from transformers import AutoTokenizer
 
 from service.app import create_app
 from service.config import TEST_TOKENIZER_DIR
@@ -27,6 +26,7 @@ from service.storage.db import Database
 from service.storage.models import Batch, Episode
 from tests.conftest import service_settings
 from tests.support.service_process import episodes_of, wait_for
+from tests.support.tokenizer import fresh_test_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent / "slime_standin"))
 
@@ -78,7 +78,7 @@ async def service(
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Iterator[Any]:
-    yield AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+    yield fresh_test_tokenizer()
 
 
 async def stored_episode(url: str, episode_id: str) -> dict[str, Any]:

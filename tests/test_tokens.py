@@ -6,11 +6,15 @@ import json
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
-from service.config import TEST_TOKENIZER_DIR
 from service.loop.tokens import ChatTemplateError, ChatTokenizer, TokenTexts, Trajectory
-from tests.support.tokenizer import TEMPLATES_DIR, chat_tokenizer, chat_variant, load_test_tokenizer
+from tests.support.tokenizer import (
+    TEMPLATES_DIR,
+    chat_tokenizer,
+    chat_variant,
+    fresh_test_tokenizer,
+    load_test_tokenizer,
+)
 
 
 def test_closing_ids_skip_what_the_model_sampled() -> None:
@@ -42,7 +46,7 @@ def test_thinking_template_is_accepted() -> None:
 
 
 def test_a_template_that_drops_assistant_content_is_refused() -> None:
-    tokenizer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+    tokenizer = fresh_test_tokenizer()
     tokenizer.chat_template = (
         "{% for m in messages %}{% if m.role != 'assistant' %}{{ m.role }}: {{ m.content }}\n{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
@@ -62,7 +66,7 @@ def test_trajectory_keeps_lengths_aligned() -> None:
 
 
 def test_a_template_without_the_tool_instruction_is_reported(caplog: pytest.LogCaptureFixture) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+    tokenizer = fresh_test_tokenizer()
     tokenizer.chat_template = (TEMPLATES_DIR / "llama3_headers.jinja").read_text()
     ChatTokenizer(tokenizer, tool_instruction="One call a turn.", template_tool_instruction="You may call")
     assert "tool instruction is not applied" in caplog.text
@@ -103,7 +107,7 @@ def test_a_groups_samples_share_their_prompt_and_its_engine_json() -> None:
 
 
 def test_a_template_that_trims_contents_is_rendered_in_full() -> None:
-    tokenizer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))  # its own: the template changes
+    tokenizer = fresh_test_tokenizer()  # its own: the template changes
     tokenizer.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

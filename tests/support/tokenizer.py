@@ -8,15 +8,21 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from service.config import ONE_CALL_TOOL_INSTRUCTION, TEMPLATE_TOOL_INSTRUCTION, TEST_TOKENIZER_DIR
 from service.loop.tokens import ChatTokenizer
 
 
+def fresh_test_tokenizer() -> Any:
+    """The project's test tokenizer, a new instance (for a test that changes it). transformers is
+    imported here, not at the top: every pytest-xdist worker paid for it (1.5 s of CPU) collecting."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+
+
 @cache
 def load_test_tokenizer() -> Any:
-    return AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+    return fresh_test_tokenizer()
 
 
 @cache
@@ -67,7 +73,7 @@ def chat_variant(name: str) -> ChatVariant:
     if name == "chatml":
         tokenizer = load_test_tokenizer()
         return ChatVariant(name, chat_tokenizer(), tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    tokenizer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+    tokenizer = fresh_test_tokenizer()
     if name == "qwen3":
         tokenizer.chat_template = (TEMPLATES_DIR / "qwen3_thinking.jinja").read_text()
         end_of_turn = "<|im_end|>"

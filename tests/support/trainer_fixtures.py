@@ -8,10 +8,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
-from service.config import TEST_TOKENIZER_DIR
 from service.sim.worker import SimWorker
+from tests.support.tokenizer import fresh_test_tokenizer
 from tests.support.trainer_service import adapter_service
 
 
@@ -23,4 +22,4 @@ async def service(database_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIt
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Iterator[Any]:
-    yield AutoTokenizer.from_pretrained(str(TEST_TOKENIZER_DIR))
+    yield fresh_test_tokenizer()

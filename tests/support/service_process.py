@@ -25,7 +25,11 @@ from tests.support.ports import free_port
 from tests.support.settings import TEST_SETTINGS
 
 REPO_DIR = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_SECONDS = 60.0
+# A bound, not a wait: /health is asked every 0.1 s and a process that exits fails at once. Under load
+# (2 cores, 2 xdist workers, load 15) `serve --workers 2 --api-processes 1` with two env processes per
+# worker took 36 s before uvicorn started and was not healthy at 60 s (test_env_plugins, random-order
+# seed 1001): each of its processes imports the service and its env processes the plugins.
+STARTUP_TIMEOUT_SECONDS = 180.0
 POLL_SECONDS = 0.05
 # The settings the service runs with in subprocess tests, as environment variables (keyword
 # arguments of `service_process` override them): the tests' own, INFO logs, which the tests read,

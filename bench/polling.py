@@ -41,7 +41,7 @@ from bench.common import (  # noqa: E402
 
 SHOP_TRAIN_TASKS = 200
 HEALTH_INTERVAL_SECONDS = 0.2
-BASELINE_SECONDS = 10.0
+BASELINE_SECONDS = 10.0  # at most: no longer than the loaded phase (--seconds)
 GOAL_P99_MS = 1000.0  # issue 11: GET /batches/{id} p99 under 1 s with 200 clients, 0 5xx
 LOG_SIGNS = {  # what the service must never log under this load
     "pool_timeouts": "QueuePool limit",
@@ -129,7 +129,7 @@ async def measure(url: str, episodes: int, clients: int, seconds: float, interva
         batch_url = f"{url}/batches/{batch_id}"
         stop_health = asyncio.Event()
         health = asyncio.create_task(health_probe(session, url, stop_health))
-        baseline = await Poller(session, batch_url, interval).run(1, BASELINE_SECONDS)
+        baseline = await Poller(session, batch_url, interval).run(1, min(BASELINE_SECONDS, seconds))
         loaded = Poller(session, batch_url, interval)
         result = await loaded.run(clients, seconds)
         stop_health.set()

@@ -15,8 +15,9 @@ tuning (app.tune_garbage_collector, on by default) is applied first. Reported:
 - `overhead`: sequential steps on one session, p50 through RemoteEnvs vs openenv-core's bare
   client on the same server (what this layer adds per call), and vs the server's own handler
   time per message (the example server's middleware: receipt to answer), goal <= 2 ms;
-- `kill`: a batch with one server killed mid-way; episodes that fail as infrastructure are re-run
-  (as the worker does within its attempt budget) and must all complete with reward 1.0.
+- `kill`: last, on the same servers, a batch with one server killed mid-way; episodes that fail as
+  infrastructure are re-run (as the worker does within its attempt budget) and must all complete
+  with reward 1.0.
 Run from the repo root: .venv/bin/python bench/remote_envs.py [--episodes N] [--rounds R] [--quick]
 Everything runs on uvloop where it is installed, as `python -m service serve` does (uvicorn's
 default). The last line of output is one JSON object.
@@ -201,13 +202,14 @@ async def kill_run(servers: list[EnvServer], episodes: int) -> dict[str, Any]:
 
 
 async def main_async(episodes: int, rounds: int, kill_episodes: int, steps: int) -> dict[str, Any]:
-    with env_servers(2, max_sessions=episodes) as servers:
+    # One pair of servers for every run (each server's start imports openenv-core and gradio: seconds
+    # of CPU), the kill run last.
+    with env_servers(2, max_sessions=max(episodes, kill_episodes)) as servers:
         report: dict[str, Any] = {"servers": 2, "load_average_at_start": list(os.getloadavg())}
         report["remote"] = await remote_run(servers, episodes, rounds)
         report["baseline_thread"] = await baseline_run("thread", episodes, rounds)
         report["baseline_process"] = await baseline_run("process", episodes, rounds)
         report["overhead"] = await overhead(servers[1], steps)
-    with env_servers(2, max_sessions=kill_episodes) as servers:
         report["kill"] = await kill_run(servers, kill_episodes)
     remote_cpu = report["remote"]["cpu_ms_per_env_call"]
     report["cpu_ratio_vs_thread"] = round(remote_cpu / report["baseline_thread"]["cpu_ms_per_env_call"], 3)

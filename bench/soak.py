@@ -263,8 +263,8 @@ class Driver:
         while self.submitting:
             await asyncio.sleep(every)
             self.updates += 1
-            await self._call("pause", "POST", "/engine/pause", json={"mode": "abort"})
             try:
+                await self._call("pause", "POST", "/engine/pause", json={"mode": "abort"})
                 async with httpx.AsyncClient(base_url=self.sim_url, timeout=30) as sim:
                     await sim.post(
                         "/update_weights_from_disk",
@@ -272,7 +272,8 @@ class Driver:
                     )
             except httpx.HTTPError as error:
                 self._bad("update", None, error)
-            await self._call("continue", "POST", "/engine/continue")
+            finally:  # cancelled mid-update (the run's end), the engine must not stay paused
+                await self._call("continue", "POST", "/engine/continue")
 
     async def viewer(self) -> None:
         while self.submitting:

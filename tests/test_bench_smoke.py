@@ -128,7 +128,7 @@ def test_outage_quick(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_soak_quick(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("soak")
-    bench.main(["--minutes", "3", "--sample-seconds", "4", "--in-flight", "128", "--latency", "0.02",
+    bench.main(["--minutes", "3", "--sample-seconds", "3", "--in-flight", "128", "--latency", "0.02",
                 "--update-every", "3", "--cancel-every", "5", "--database", "sqlite"])  # fmt: skip
     result = last_json_line(capsys.readouterr().out)
     assert len(result["samples"]) == 3 and result["episodes_accepted"] > 0
@@ -150,24 +150,25 @@ def test_weight_update_quick(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_weight_update_with_sticky_placement_quick(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("weight_update")
-    bench.main(
-        ["--episodes", "16", "--updates", "2", "--interval", "1", "--latency", "0.1", "--workers", "2"]
-    )
-    resumed = last_json_line(capsys.readouterr().out)["resumed"]
+    bench.main(["--episodes", "16", "--updates", "2", "--interval", "1", "--latency", "0.1", "--workers", "2",
+                "--resumed-only"])  # fmt: skip
+    result = last_json_line(capsys.readouterr().out)
+    assert "not_resumed" not in result and result["workers"] == 2
+    resumed = result["resumed"]
     assert resumed["complete"] and sum(resumed["counts"].values()) == 16
     assert (resumed["episodes_lost"], resumed["tokens_sampled_twice"]) == (0, 0)
 
 
 def test_long_horizon_quick(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("long_horizon")
-    bench.main(["--context", "12000", "--repeats", "1"])
+    bench.main(["--context", "9000", "--repeats", "1"])
     result = last_json_line(capsys.readouterr().out)
     assert all(result[f"turn_{turn}_cpu_ms"] > 0 for turn in (8, 32, 128))
 
 
 def test_long_horizon_external_quick(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("long_horizon")
-    bench.main(["--path", "external", "--context", "12000", "--repeats", "1"])
+    bench.main(["--path", "external", "--context", "9000", "--repeats", "1"])
     result = last_json_line(capsys.readouterr().out)
     assert result["path"] == "external" and result["database"] == "sqlite"
     assert all(result[f"turn_{turn}_cpu_ms"] > 0 for turn in (8, 32, 128))

@@ -35,11 +35,6 @@ from tests.support.vllm_server import MAX_MODEL_LEN, VLLMServer, vllm_server
 
 LOGPROB_TOLERANCE = 1e-4  # absolute, per token
 PAUSES = 3  # keep mode: pause-resume cycles while the turn generates
-ABORT_TRIES = 3
-# What a control call that must land mid-generation skips with when vLLM took it only after the
-# generation ended: its HTTP server was seen to answer new requests seconds late while it streams
-# a long generation on two cores that other work also loads (every invariant is still checked).
-MISSED = "vLLM took the abort only after the generation had ended (a busy machine): nothing to resume"
 PAUSE_SECONDS = 0.25
 # A turn the pauses find generating (the test freezes the engine on its first tokens): long enough
 # that the engine cannot finish it between seeing its first token and freezing (about 1 s of
@@ -320,29 +315,32 @@ async def test_stop_tokens_and_stop_strings_end_the_turn_where_the_engine_stoppe
 async def test_an_abort_mid_generation_answers_what_was_sampled_and_loses_nothing(
     engine: VLLMClient, vllm: VLLMServer
 ) -> None:
-    """As long a generation as the context allows (seconds here), aborted as soon as the engine
-    has it; again, up to ABORT_TRIES times, where vLLM took the abort only after it ended."""
-    # One token short of the context: a generation the abort missed (it ran to its end) is still
-    # scored by engine_scoring, which asks for one more token after it.
+    """As long a generation as the context allows, aborted by its id while it generates. As the
+    pause test does, the test freezes the engine before the call arrives and releases it until the
+    call sampled its first token: the abort finds it in flight however loaded the machine is."""
+    # One token short of the context: engine_scoring asks for one more token after it.
     longest = MAX_MODEL_LEN - len(PROMPT) - 1
     params = {"max_new_tokens": longest, "ignore_eos": True} | SAMPLING
-    for attempt in range(ABORT_TRIES):
-        prefix = f"abort{attempt}:0:"
-        running = asyncio.ensure_future(engine.generate(PROMPT, params, f"{prefix}0"))
-        await asyncio.wait({running}, timeout=0.3)
-        while not running.done():  # an abort that comes before the engine has the request is a no-op
-            await engine.abort(prefix)
-            await asyncio.wait({running}, timeout=0.1)
-        generation = running.result()
-        assert len(generation.output_ids) == len(generation.logprobs)
-        scored = await engine_scoring(vllm.url, PROMPT + generation.output_ids)
-        assert_logprobs_are_the_engines(PROMPT, generation.output_ids, generation.logprobs, scored)
-        if generation.finish_type == "abort":
+    with httpx.Client(timeout=60) as http:
+        freeze(http, vllm.url)
+    first_tokens, _ = await asyncio.to_thread(counters, vllm.url)
+    running = asyncio.ensure_future(engine.generate(PROMPT, params, "abort:0:0"))
+    for _ in range(3000):
+        if vllm.added("generate-tokens-abort:0:0"):
             break
-        assert generation.finish_type == "length"
+        await asyncio.sleep(0.01)
     else:
-        pytest.skip(MISSED)
-    assert generation.interrupted and len(generation.output_ids) < longest
+        raise AssertionError("the engine never took the call")
+    held = await asyncio.to_thread(release_until_sampled, vllm.url, FIRST_TOKEN, first_tokens)
+    await engine.abort("abort:0:")  # taken before the engine's next step: it answers what it holds
+    async with httpx.AsyncClient(timeout=60) as http:
+        assert (await http.post(f"{vllm.url}/resume")).status_code == 200
+    generation = await running
+    assert len(generation.output_ids) == len(generation.logprobs)
+    scored = await engine_scoring(vllm.url, PROMPT + generation.output_ids)
+    assert_logprobs_are_the_engines(PROMPT, generation.output_ids, generation.logprobs, scored)
+    assert generation.finish_type == "abort", (generation.finish_type, held)
+    assert generation.interrupted and 0 < len(generation.output_ids) < longest
 
 
 def engine_counter(http: httpx.Client, url: str, name: str) -> float:

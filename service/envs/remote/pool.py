@@ -78,6 +78,7 @@ class Server:
     # service's CPU per env call (a dict lookup under a lock, per series, per call).
     call_counters: dict[str, Any] = field(default_factory=dict)  # call kind -> Counter child
     latency: Any = None  # its Histogram child
+    sessions_gauge: Any = None  # its sessions_open child (set at each acquire and release)
 
     @property
     def healthy(self) -> bool:
@@ -142,7 +143,8 @@ class ServerPool:
         self._checker: asyncio.Task[None] | None = None
         for server in self.servers:
             metrics.up.labels(env, server.url).set(1)
-            metrics.sessions_open.labels(env, server.url).set(0)
+            server.sessions_gauge = metrics.sessions_open.labels(env, server.url)
+            server.sessions_gauge.set(0)
 
     # ---- Placement. ----
 
@@ -164,7 +166,7 @@ class ServerPool:
         if server is None:
             server = await self._wait_for_slot(avoid)
         server.sessions += 1
-        self.metrics.sessions_open.labels(self.env, server.url).set(server.sessions)
+        server.sessions_gauge.set(server.sessions)
         return server
 
     async def _wait_for_slot(self, avoid: frozenset[str]) -> Server:
@@ -207,7 +209,7 @@ class ServerPool:
 
     async def release(self, server: Server) -> None:
         server.sessions -= 1
-        self.metrics.sessions_open.labels(self.env, server.url).set(server.sessions)
+        server.sessions_gauge.set(server.sessions)
         self._wake(1)
 
     def call(self, server: Server, what: str) -> CallTimer:

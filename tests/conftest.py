@@ -27,7 +27,7 @@ import shutil
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import asyncpg
 import httpx
@@ -206,6 +206,17 @@ def service_settings(database_url: str, sglang_url: str, **overrides: object) ->
     }
     values.update(overrides)
     return Settings(**values)  # type: ignore[arg-type]
+
+
+def one_shop_episode(sampling_params: dict[str, Any], **more: object) -> dict[str, Any]:
+    """A submit's body for one episode of builtin/shop's test task 0 (`more`: max_turns, ...)."""
+    return {
+        "env": "builtin/shop",
+        "task_split": "test",
+        "task_indices": [0],
+        "sampling_params": sampling_params,
+        **more,
+    }
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from service.engine.model_info import ModelInfoCache, read_model_info, vllm_logp
 from service.engine.vllm import VLLMClient
 from service.serving import serve_app
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
-from tests.conftest import service_settings
+from tests.conftest import one_shop_episode, service_settings
 
 CONTEXT = 300
 ENGINES = {"sglang": SGLangClient, "vllm": VLLMClient}
@@ -123,13 +123,7 @@ async def test_each_turn_records_its_logprobs_mode_and_long_turns_fit_the_contex
         ):
             submitted = await client.post(
                 "/episodes",
-                json={
-                    "env": "builtin/shop",
-                    "task_split": "test",
-                    "task_indices": [0],
-                    "sampling_params": {"max_new_tokens": 40_000},
-                    "max_turns": 10,
-                },
+                json=one_shop_episode({"max_new_tokens": 40_000}, max_turns=10),
             )
             assert submitted.status_code == 202, submitted.text
             batch = (await client.get(f"/batches/{submitted.json()['batch_id']}", params={"wait": 60})).json()

@@ -19,7 +19,7 @@ from service.engine.transport import SocketTransport
 from service.engine.vllm import VLLMClient, parse_vllm_generation, unsupported_by_vllm, vllm_sampling_params
 from service.serving import serve_app
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
-from tests.conftest import service_settings
+from tests.conftest import one_shop_episode, service_settings
 from tests.support.contract import assert_stored_episode_matches_sim
 from tests.support.polling import until
 
@@ -158,12 +158,7 @@ async def test_episodes_on_the_vllm_protocol_meet_the_trainer_contract(
     async with serve_app(app) as base, httpx.AsyncClient(base_url=base, timeout=30) as client:
         refused = await client.post(
             "/episodes",
-            json={
-                "env": "builtin/shop",
-                "task_split": "test",
-                "task_indices": [0],
-                "sampling_params": {"stop_regex": ["x"]},
-            },
+            json=one_shop_episode({"stop_regex": ["x"]}),
         )
         assert refused.status_code == 422, refused.text
         assert "stop_regex" in refused.text and "vLLM" in refused.text

@@ -28,7 +28,7 @@ from service.engine.model_info import ModelInfoCache
 from service.engine.transport import SocketTransport
 from service.engine.vllm import VLLMClient
 from service.serving import serve_app
-from tests.conftest import service_settings
+from tests.conftest import one_shop_episode, service_settings
 from tests.support.agents import QUESTION, SYSTEM, TOOLS, finish, open_episodes
 from tests.support.tokenizer import chat_tokenizer
 from tests.support.vllm_server import MAX_MODEL_LEN, VLLMServer, vllm_server
@@ -223,13 +223,7 @@ async def test_a_tool_call_forced_by_guided_decoding_is_parsed_from_the_engines_
     async with serve_app(app) as base, httpx.AsyncClient(base_url=base, timeout=60) as client:
         submitted = await client.post(
             "/episodes",
-            json={
-                "env": "builtin/shop",
-                "task_split": "test",
-                "task_indices": [0],
-                "sampling_params": {"max_new_tokens": 120, "regex": SHOP_CALL} | SAMPLING,
-                "max_turns": 2,
-            },
+            json=one_shop_episode({"max_new_tokens": 120, "regex": SHOP_CALL} | SAMPLING, max_turns=2),
         )
         assert submitted.status_code == 202, submitted.text
         await wait_batch(client, submitted.json()["batch_id"])
@@ -389,13 +383,9 @@ async def paused_turn(
         freeze(http, vllm.url)
     submitted = await client.post(
         "/episodes",
-        json={
-            "env": "builtin/shop",
-            "task_split": "test",
-            "task_indices": [0],
-            "sampling_params": {"max_new_tokens": PAUSED_TURN_TOKENS, "ignore_eos": True} | SAMPLING,
-            "max_turns": 1,
-        },
+        json=one_shop_episode(
+            {"max_new_tokens": PAUSED_TURN_TOKENS, "ignore_eos": True} | SAMPLING, max_turns=1
+        ),
     )
     assert submitted.status_code == 202, submitted.text
     [episode_id] = submitted.json()["episode_ids"]

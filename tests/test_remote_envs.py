@@ -163,6 +163,9 @@ async def test_the_cap_holds_sessions_per_server_and_placement_is_least_loaded(
         remote_config(two_servers, max_sessions_per_server=2, placement_timeout_seconds=0.5)
     )
     envs = RemoteEnvs([config], local=None)  # type: ignore[arg-type]
+    # The servers are the module's: a session an earlier test closed may still be open on its server
+    # (a timed-out 1.5 s step runs on after its close), and the counts below are the servers' own.
+    await wait_closed(two_servers)
     try:
         sessions = [await open_and_reset(envs, index) for index in range(4)]
         assert [s.session.server_url for s in sessions].count(two_servers[0].url) == 2

@@ -231,7 +231,11 @@ async def test_a_refused_seed_is_retried_on_another_server_and_a_bad_row_aborts(
     two_servers: list[EnvServer], dataset: Path, tmp_path: Path
 ) -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    envs = remote_envs([dead, two_servers[1].url], dataset, retry_backoff_seconds=0.01)
+    # No health check in between: its probe of the dead server (every 0.3 s in these tests) would
+    # restate why it is down ("health check failed") before the reason is read, as under load it did.
+    envs = remote_envs(
+        [dead, two_servers[1].url], dataset, retry_backoff_seconds=0.01, health_interval_seconds=3600
+    )
     try:
         sessions = [await envs.open(ENV, "train", f"e{index}") for index in range(3)]
         for index, session in enumerate(sessions):

@@ -57,6 +57,11 @@ def vllm_server(log_path: Path) -> Iterator[VLLMServer]:
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_LOGGING_LEVEL": "INFO",
+        # Its uvicorn keeps an idle connection 5 s by default: on a loaded machine (its event loop
+        # stalled, the timer late) it closed one as a test's /metrics poll reused it ("Server
+        # disconnected without sending a response", the keep-mode pause test). Longer than any pause
+        # between a test's calls; the service's own control client drops idle ones after 4 s.
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",
     }
     command = [
         python, "-m", "vllm.entrypoints.openai.api_server",

@@ -325,17 +325,11 @@ async def test_an_abort_mid_generation_answers_what_was_sampled_and_loses_nothin
             freeze(http, vllm.url)
         first_tokens, generated_before = await asyncio.to_thread(counters, vllm.url)
         running = asyncio.ensure_future(engine.generate(PROMPT, params, f"{prefix}0"))
-        for _ in range(3000):
-            if vllm.added(f"generate-tokens-{prefix}0"):
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("the engine never took the call")
+        await taken(vllm, f"generate-tokens-{prefix}0")
         generated = await asyncio.to_thread(release_until_sampled, vllm.url, FIRST_TOKEN, first_tokens)
         held.append(generated - generated_before)
         await engine.abort(prefix)  # taken before the engine's next step: it answers what it holds
-        async with httpx.AsyncClient(timeout=60) as http:
-            assert (await http.post(f"{vllm.url}/resume")).status_code == 200
+        await resume(vllm.url)
         generation = await running
         assert len(generation.output_ids) == len(generation.logprobs)
         scored = await engine_scoring(vllm.url, PROMPT + generation.output_ids)
@@ -379,6 +373,21 @@ def release_until_sampled(url: str, counter: str, frozen_at: float) -> float:
         return engine_counter(http, url, GENERATED_TOKENS)
 
 
+async def taken(vllm: VLLMServer, engine_id_part: str) -> None:
+    """Until the engine has taken a request whose id holds `engine_id_part` (its log says so)."""
+    for _ in range(3000):
+        if vllm.added(engine_id_part):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the engine never took {engine_id_part!r}")
+
+
+async def resume(url: str) -> None:
+    """Ends vLLM's own pause (a freeze)."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        assert (await http.post(f"{url}/resume")).status_code == 200
+
+
 def counters(url: str) -> tuple[float, float]:
     """(requests that sampled their first token, tokens sampled), by the engine's count."""
     with httpx.Client(timeout=60) as http:
@@ -401,12 +410,7 @@ async def paused_turn(
     assert submitted.status_code == 202, submitted.text
     [episode_id] = submitted.json()["episode_ids"]
     calls = f"generate-tokens-{episode_id}:"
-    for _ in range(3000):
-        if vllm.added(calls):
-            break
-        await asyncio.sleep(0.01)
-    else:
-        raise AssertionError("the engine never took the turn's call")
+    await taken(vllm, calls)
     # The trainer pauses through the service's own /engine/pause (SGLang's abort as vLLM's
     # abort, retract as keep), as around a weight update.
     service_mode = "abort" if mode == "abort" else "retract"
@@ -417,8 +421,7 @@ async def paused_turn(
         generated = await asyncio.to_thread(release_until_sampled, vllm.url, counter, frozen_at)
         held.append(generated - generated_before)
         if held[-1] >= PAUSED_TURN_TOKENS:  # the call ended before the freeze: nothing to pause
-            async with httpx.AsyncClient(timeout=60) as http:
-                assert (await http.post(f"{vllm.url}/resume")).status_code == 200
+            await resume(vllm.url)
             break
         counter, frozen_at = GENERATED_TOKENS, generated  # the next: until it sampled more
         await service_control(client, "/engine/pause", {"mode": service_mode})

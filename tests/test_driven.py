@@ -149,17 +149,25 @@ async def submit_held(http: httpx.AsyncClient) -> tuple[str, str]:
 
 
 async def assert_refused_as_stale(http: httpx.AsyncClient, episode_id: str, token: str | None) -> None:
-    """A call and a finish with attempt 0's token: 409, saying the episode was re-queued."""
-    headers = {"Authorization": f"Bearer {token}"}
-    call = {"model": "policy", "messages": [{"role": "user", "content": "Still there?"}]}
-    refused = [
-        await http.post(f"/v1/episodes/{episode_id}/chat/completions", json=call, headers=headers),
-        await http.post(f"/v1/episodes/{episode_id}/finish", json={"reward": 0.0}, headers=headers),
-    ]
-    for response in refused:
-        assert response.status_code == 409, response.text
-        detail = response.json()["detail"]
-        assert "was re-queued" in detail and "this token is attempt 0's" in detail, detail
+    """A call and a finish with attempt 0's token: 409, saying the episode was re-queued. With any
+    other key shaped as attempt 0's (a guess, or the token with its secret changed): the plain 401,
+    which tells nothing of the episode's attempts."""
+    assert token is not None and token.startswith("0.")
+    changed = token[:-1] + ("A" if token[-1] != "A" else "B")
+    for key, status in [(token, 409), ("0.guessed-secret", 401), (changed, 401)]:
+        headers = {"Authorization": f"Bearer {key}"}
+        call = {"model": "policy", "messages": [{"role": "user", "content": "Still there?"}]}
+        refused = [
+            await http.post(f"/v1/episodes/{episode_id}/chat/completions", json=call, headers=headers),
+            await http.post(f"/v1/episodes/{episode_id}/finish", json={"reward": 0.0}, headers=headers),
+        ]
+        for response in refused:
+            assert response.status_code == status, (key, response.text)
+            detail = response.json()["detail"]
+            if status == 409:
+                assert "was re-queued" in detail and "this token is attempt 0's" in detail, detail
+            else:
+                assert "attempt" not in detail and "re-queued" not in detail, detail
 
 
 def assert_attempt_1_only(sim: SimWorker, episode: dict[str, Any]) -> None:

@@ -106,7 +106,8 @@ async def waiting_episode(
     own = _owns(key, episode)
     access = None if own or not key else services.settings.key_table.lookup(key)
     if not own and access is None:
-        if (earlier := earlier_attempt(key, token)) is not None:  # an agent-driven episode's dead attempt
+        earlier = earlier_attempt(key, token)  # the attempt a key shaped as a driven episode's names
+        if earlier is not None and await _is_dead_token(services, episode_id, key):
             raise Conflict(
                 f"episode {episode_id!r} was re-queued (the worker that ran its driver stopped or was "
                 f"lost): this token is attempt {earlier}'s, and attempt {episode.attempt} plays it now; "
@@ -119,6 +120,13 @@ async def waiting_episode(
     with http_errors:
         services.agents.check_waiting(episode)
     return episode
+
+
+async def _is_dead_token(services: ServicesDep, episode_id: str, key: bytes) -> bool:
+    """Whether `key` is the token of the episode's last dead attempt: only its holder is told the
+    episode was re-queued; any other key shaped like a driven episode's learns nothing of it."""
+    dead = await services.agents.dead_token(episode_id)
+    return dead is not None and is_one_of(key, [dead.encode()])
 
 
 def _driven(episode: AgentEpisode) -> bool:

@@ -108,6 +108,12 @@ async def agent_tokens(database: Database, episode_ids: list[str]) -> dict[str, 
         return {episode_id: token for episode_id, token in rows if token is not None}
 
 
+async def dead_agent_token(database: Database, episode_id: str) -> str | None:
+    """The token of the episode's last dead attempt (an agent-driven episode re-queued), if any."""
+    async with database.read_only.connect() as connection:
+        return await connection.scalar(select(Episode.dead_agent_token).where(Episode.id == episode_id))
+
+
 # An episode's scalars and its last segment: what a call reads, unless this process holds it.
 _HEAD = (
     Episode.id,

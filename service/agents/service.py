@@ -20,6 +20,7 @@ from service.agents.repository import (
     AgentEpisode,
     StoredCall,
     closed_segments,
+    dead_agent_token,
     finish_agent_episode,
     load_agent_episode,
     store_call,
@@ -90,6 +91,10 @@ class AgentSessions:
         if episode is None:
             raise UnknownEpisode(f"no external episode {episode_id!r}")
         return episode
+
+    async def dead_token(self, episode_id: str) -> str | None:
+        """The token of the episode's last dead attempt (an agent-driven episode re-queued), if any."""
+        return await dead_agent_token(self.database, episode_id)
 
     @staticmethod
     def check_waiting(episode: AgentEpisode) -> None:

@@ -7,8 +7,9 @@ Unlike an external agent's episode, it stays leased to its worker, which heartbe
 driver plays: if that worker dies (a crash, a kill, a restart), the lease sweep re-queues it as a
 new attempt (service/storage/queue.py), which clears the dead attempt's token, calls and segments.
 The token names its attempt (`<attempt>.<secret>`): an agent's calls and finish are fenced on the
-episode's current token, and one that sends an earlier attempt's token is told so
-(`earlier_attempt`) instead of being refused as a stranger.
+episode's current token, and one that sends its last dead attempt's token (kept as
+`dead_agent_token`) is told so (`earlier_attempt`) instead of being refused as a stranger; any
+other key shaped as a token learns nothing of the attempts.
 """
 
 from __future__ import annotations

@@ -173,6 +173,10 @@ class Episode(Base):
     # how many segments it has (a rewritten history starts one). This row holds the last segment;
     # EpisodeSegment rows the ones before it.
     agent_token: Mapped[str | None] = mapped_column(TextColumn(64))
+    # An agent-driven episode re-queued: the token of its last attempt that had one (storage/
+    # driven.py), so that only its holder is told the episode was re-queued. Kept as the token
+    # itself: the live one is stored so too, and a dead one opens nothing.
+    dead_agent_token: Mapped[str | None] = mapped_column(TextColumn(64))
     segments: Mapped[int] = mapped_column(Integer, server_default="1")
 
     batch: Mapped[Batch] = relationship(back_populates="episodes", lazy="raise")

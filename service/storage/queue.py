@@ -22,6 +22,7 @@ from sqlalchemy import (
     bindparam,
     cast,
     delete,
+    func,
     literal,
     select,
     update,
@@ -40,7 +41,7 @@ _RUNNING = EpisodeStatus.RUNNING.value
 # A re-queued episode runs again as a new attempt: attempt + 1 fences out the old lease holder. An
 # agent-driven episode's attempt (storage/driven.py) loses its token, the calls its driver made and
 # its closed segments (_drop_segments): the new attempt's driver starts afresh, and the old token
-# can neither call nor finish.
+# can neither call nor finish (it is kept as dead_agent_token, to tell its holder why).
 _REQUEUED: dict[str, Any] = {
     "status": _QUEUED,
     "attempt": Episode.attempt + 1,
@@ -48,6 +49,7 @@ _REQUEUED: dict[str, Any] = {
     "lease_expires_at": None,
     "started_at": None,
     "agent_token": None,
+    "dead_agent_token": func.coalesce(Episode.agent_token, Episode.dead_agent_token),
     "num_turns": None,
     "segments": 1,
     **dict.fromkeys(blobs.TOKEN_BLOBS),

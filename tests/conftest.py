@@ -270,6 +270,30 @@ class _GroupInNodeId:
                 item._id = NodeId.parse(item.nodeid + suffix)
 
 
+class _RerunTracebacks:
+    """What each rerun test failed with, at the end of the run's summary: pytest-rerunfailures
+    names a rerun test (`-rR`) but prints nothing of its failure, and a test that passed on its
+    rerun in CI could not be told from noise. In the process that reports (xdist's controller)."""
+
+    def __init__(self) -> None:
+        self.reruns: list[pytest.TestReport] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.outcome == "rerun":  # type: ignore[comparison-overlap]  # the plugin's own outcome
+            self.reruns.append(report)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.reruns:
+            return
+        terminalreporter.section("what the rerun tests failed with", sep="=")
+        for report in self.reruns:
+            terminalreporter.section(f"{report.nodeid} ({report.when})", sep="-")
+            terminalreporter.line(report.longreprtext)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
-        config.pluginmanager.register(_GroupInNodeId(), "rollout-xdist-group-in-node-id")
+    if hasattr(config, "workerinput"):
+        if config.getvalue("loadgroup"):
+            config.pluginmanager.register(_GroupInNodeId(), "rollout-xdist-group-in-node-id")
+    elif config.pluginmanager.hasplugin("rerunfailures"):
+        config.pluginmanager.register(_RerunTracebacks(), "rollout-rerun-tracebacks")

@@ -58,15 +58,7 @@ class McpEnv:
         self.config = config
         self.tasks: McpTasks = load_function(config.tasks)()
         servers = config.urls or ["stdio:" + " ".join(config.command)]
-        self.pool = ServerPool(
-            config.name,
-            servers,
-            max_sessions_per_server=config.max_sessions_per_server,
-            health_check=self._health_check,
-            metrics=metrics,
-            health_interval_seconds=config.health_interval_seconds,
-            placement_timeout_seconds=config.placement_timeout_seconds,
-        )
+        self.pool = ServerPool.of(config, servers, self._health_check, metrics)
         self.sessions: set[McpSession] = set()  # open now: shutdown closes them
 
     def _target(self, server: Server) -> str | StdioServerParameters:

@@ -82,15 +82,7 @@ class NemoGymEnv:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=keep),
             cookies=refuse_cookies(),
         )
-        self.pool = ServerPool(
-            config.name,
-            config.urls,
-            max_sessions_per_server=config.max_sessions_per_server,
-            health_check=self._health_check,
-            metrics=metrics,
-            health_interval_seconds=config.health_interval_seconds,
-            placement_timeout_seconds=config.placement_timeout_seconds,
-        )
+        self.pool = ServerPool.of(config, config.urls, self._health_check, metrics)
 
     async def _health_check(self, url: str) -> None:
         # nemo-gym's run_webserver serves its liveness at GET / (BaseServer.setup_liveness).

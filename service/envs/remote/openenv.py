@@ -28,7 +28,7 @@ from service.envs.remote.openenv_actions import (
     tool_result_text,
 )
 from service.envs.remote.openenv_idle import IdleSessions
-from service.envs.remote.pool import Server, ServerPool
+from service.envs.remote.pool import PoolMetrics, Server, ServerPool
 
 # The server's error codes (openenv WSErrorCode) of a session that was never made: safe to retry.
 NOT_STARTED_CODES = frozenset({"CAPACITY_REACHED", "FACTORY_ERROR", "SESSION_ERROR"})
@@ -221,17 +221,21 @@ class OpenEnvEnv:
     from the first server that answers /schema: all servers of a pool serve the same env), and the
     sessions kept open between episodes."""
 
-    def __init__(self, config: RemoteEnvConfig, pool: ServerPool, http: Any) -> None:
+    def __init__(self, config: RemoteEnvConfig, metrics: PoolMetrics, http: Any) -> None:
         self.config = config
-        self.pool = pool
-        self.http = http  # an httpx.AsyncClient: the /schema request
+        self.http = http  # an httpx.AsyncClient: the /schema request and the health checks
+        self.pool = ServerPool.of(config, config.urls, self._health_check, metrics)
         self.actions: ActionSpace | None = None
         self._learning = asyncio.Lock()
         self.idle = IdleSessions(
-            pool,
+            self.pool,
             config.reuse_idle_seconds,
             lambda client: close_client(client, config.connect_timeout_seconds),
         )
+
+    async def _health_check(self, url: str) -> None:
+        response = await self.http.get(f"{url}/health")
+        response.raise_for_status()
 
     async def _learn_actions(self, server: Server) -> ActionSpace:
         if self.actions is not None:
@@ -311,7 +315,9 @@ class OpenEnvEnv:
         return session
 
     async def close(self) -> None:
+        """Closes the sessions kept for reuse and stops the health checks."""
         await self.idle.close()
+        await self.pool.close()
 
 
 class _KeptSessionEnded(Exception):

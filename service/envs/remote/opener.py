@@ -31,44 +31,28 @@ class RemoteEnvs:
         self.local = local
         self.configs = {config.name: config for config in configs}
         self.metrics = PoolMetrics(registry)
-        self._http = httpx.AsyncClient(timeout=5.0)
-        self.pools = {
-            config.name: ServerPool(
-                config.name,
-                config.urls,
-                max_sessions_per_server=config.max_sessions_per_server,
-                health_check=self._health_check,
-                metrics=self.metrics,
-                health_interval_seconds=config.health_interval_seconds,
-                placement_timeout_seconds=config.placement_timeout_seconds,
-            )
-            for config in configs
-            if config.protocol == "openenv"
-        }
-        if self.pools:
-            require_extra("openenv")
+        self._http = httpx.AsyncClient(timeout=5.0)  # OpenEnv's /schema requests and health checks
         self._open: set[Any] = set()
         self.openenv: dict[str, Any] = {}
         self.mcp: dict[str, Any] = {}
         self.nemo_gym: dict[str, NemoGymEnv] = {}
         for config in configs:
             if config.protocol == "openenv":
+                require_extra("openenv")
                 from service.envs.remote.openenv import OpenEnvEnv
 
-                self.openenv[config.name] = OpenEnvEnv(config, self.pools[config.name], self._http)
+                self.openenv[config.name] = OpenEnvEnv(config, self.metrics, self._http)
             elif config.protocol == "mcp":
                 require_extra("mcp")
                 from service.envs.remote.mcp_tools import McpEnv
 
                 self.mcp[config.name] = McpEnv(config, self.metrics)
-                self.pools[config.name] = self.mcp[config.name].pool
             elif config.protocol == "nemo_gym":
                 self.nemo_gym[config.name] = NemoGymEnv(config, self.metrics)
-                self.pools[config.name] = self.nemo_gym[config.name].pool
-
-    async def _health_check(self, url: str) -> None:
-        response = await self._http.get(f"{url}/health")
-        response.raise_for_status()
+        # Each env owns its pool of servers (and closes it): here for /ready's and the tests' view.
+        every = {**self.openenv, **self.mcp, **self.nemo_gym}
+        self.envs = {name: every[name] for name in self.configs}  # in REMOTE_ENVS' order
+        self.pools: dict[str, ServerPool] = {name: env.pool for name, env in self.envs.items()}
 
     async def open(self, env_name: str, split: str, episode_key: str) -> Any:
         config = self.configs.get(env_name)
@@ -91,10 +75,7 @@ class RemoteEnvs:
     async def close(self) -> None:
         """Closes sessions still open (shutdown) and stops the health checks."""
         await asyncio.gather(*(session.close() for session in list(self._open)), return_exceptions=True)
-        await asyncio.gather(*(env.close() for env in self.nemo_gym.values()))
-        await asyncio.gather(*(env.close() for env in self.mcp.values()))
-        await asyncio.gather(*(env.close() for env in self.openenv.values()), return_exceptions=True)
-        await asyncio.gather(*(pool.close() for pool in self.pools.values()))
+        await asyncio.gather(*(env.close() for env in self.envs.values()), return_exceptions=True)
         await self._http.aclose()
 
 

@@ -13,11 +13,14 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from service.envs.remote.errors import EnvServerDown
+
+if TYPE_CHECKING:
+    from service.envs.remote.config import RemoteEnvConfig
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +148,21 @@ class ServerPool:
             metrics.up.labels(env, server.url).set(1)
             server.sessions_gauge = metrics.sessions_open.labels(env, server.url)
             server.sessions_gauge.set(0)
+
+    @classmethod
+    def of(
+        cls, config: RemoteEnvConfig, servers: list[str], health_check: HealthCheck, metrics: PoolMetrics
+    ) -> ServerPool:
+        """The pool of a remote env (any protocol), as its config sets it."""
+        return cls(
+            config.name,
+            servers,
+            max_sessions_per_server=config.max_sessions_per_server,
+            health_check=health_check,
+            metrics=metrics,
+            health_interval_seconds=config.health_interval_seconds,
+            placement_timeout_seconds=config.placement_timeout_seconds,
+        )
 
     # ---- Placement. ----
 

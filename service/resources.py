@@ -212,6 +212,7 @@ async def episode_worker(
             settings, database, driving, on_finished=endings.result_stored, engine_status=engine.status
         )
         driving.on_finishing = worker.finishing
+        driving.on_handed_over = agents.handed_over
         worker.start()
         try:
             yield worker

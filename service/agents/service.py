@@ -9,8 +9,8 @@ refuses the call, and it is answered again from the database.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from cachetools import LRUCache
 
@@ -27,10 +27,31 @@ from service.agents.repository import (
 )
 from service.agents.session import AgentTurns
 from service.agents.streaming import AnswerStream
-from service.records import Ending, EpisodeStatus
+from service.records import Ending, EpisodeSpec, EpisodeStatus
 from service.storage.db import Database
+from service.storage.driven import HandedOver
 
 HELD_BYTES = 256 * 1024 * 1024  # token blobs of the episodes a process holds
+
+
+class Held(Protocol):
+    """An episode as this process left it: a call's store (StoredCall), or a hand-over."""
+
+    @property
+    def size(self) -> int: ...
+
+    def restored(self) -> AgentEpisode: ...
+
+
+@dataclass(frozen=True)
+class HandedEpisode:
+    """An agent-driven episode as this process handed it over to its driver, before any call."""
+
+    episode: AgentEpisode
+    size: int = 1024  # bytes, about: its scalars and sampling parameters
+
+    def restored(self) -> AgentEpisode:
+        return replace(self.episode, held=True)
 
 
 class HeldEpisodes:
@@ -38,12 +59,12 @@ class HeldEpisodes:
     token blobs."""
 
     def __init__(self, max_bytes: int = HELD_BYTES) -> None:
-        self._held: LRUCache[str, StoredCall] = LRUCache(max_bytes, getsizeof=_size)
+        self._held: LRUCache[str, Held] = LRUCache(max_bytes, getsizeof=_size)
 
-    def get(self, episode_id: str) -> StoredCall | None:
+    def get(self, episode_id: str) -> Held | None:
         return self._held.get(episode_id)
 
-    def put(self, episode_id: str, stored: StoredCall) -> None:
+    def put(self, episode_id: str, stored: Held) -> None:
         self._held.pop(episode_id, None)
         try:
             self._held[episode_id] = stored
@@ -58,7 +79,7 @@ class HeldEpisodes:
         return int(self._held.currsize)
 
 
-def _size(stored: StoredCall) -> int:
+def _size(stored: Held) -> int:
     return stored.size
 
 
@@ -79,6 +100,27 @@ class AgentSessions:
         self._turns = turns
         self.idle_seconds = idle_seconds
         self.held = HeldEpisodes(held_bytes)
+
+    def handed_over(self, spec: EpisodeSpec, handed: HandedOver) -> None:
+        """Holds an agent-driven episode as its worker handed it over to its driver (no call yet,
+        its token new): its first call need not read it (measured: a twentieth of the service's
+        CPU per call of agent-driven episodes, most of which make one or two calls)."""
+        request = spec.request
+        episode = AgentEpisode(
+            episode_id=spec.episode_id,
+            batch_id=handed.batch_id,
+            group_index=handed.group_index,
+            status=EpisodeStatus.RUNNING.value,
+            attempt=spec.attempt,
+            agent_token=handed.token,
+            sampling_params=dict(request.sampling_params),
+            max_turns=request.max_turns,
+            max_response_tokens=request.max_response_tokens,
+            calls=0,
+            segments=1,
+            last=None,
+        )
+        self.held.put(spec.episode_id, HandedEpisode(episode))
 
     async def episode(self, episode_id: str, *, fresh: bool = False) -> AgentEpisode:
         """The episode as this process stored it last (unless `fresh`), else as the database has

@@ -26,7 +26,7 @@ from service.envs.errors import EnvError, EnvWorkerCrashed
 from service.records import DEADLINE_NOTE, Ending, EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.retries import backoff
 from service.storage.db import Database
-from service.storage.driven import hand_to_agent
+from service.storage.driven import HandedOver, hand_to_agent
 from service.storage.errors import is_refused, is_transient
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,9 @@ class DrivingRunner:
         # Told the episode's id as its finish starts: the worker must not cancel it halfway (a
         # lost lease, a cancelled batch: the finish's fence has them).
         self.on_finishing: Callable[[str], None] = lambda episode_id: None
+        # Told each attempt handed over, before its driver starts: the agents' endpoint holds the
+        # episode, so that its first call need not read it back.
+        self.on_handed_over: Callable[[EpisodeSpec, HandedOver], None] = lambda spec, handed: None
 
     @property
     def newest_version(self) -> int | None:  # its own loop's: drivers' calls go through agents' endpoint
@@ -91,9 +94,11 @@ class DrivingRunner:
         request = spec.request
         if not self.drivers.driven(request.env):
             return await self.inner.run(spec)
-        token = await hand_to_agent(self.database, spec.episode_id, spec.attempt)
-        if token is None:
+        handed = await hand_to_agent(self.database, spec.episode_id, spec.attempt)
+        if handed is None:
             return None  # cancelled, or no longer this attempt's: nothing to do
+        token = handed.token
+        self.on_handed_over(spec, handed)
         service_url = self.service_url()
         if service_url is None:
             outcome = DriveOutcome(None, error=NO_SERVICE_URL, env_error=False)

@@ -15,6 +15,7 @@ other key shaped as a token learns nothing of the attempts.
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 
 from sqlalchemy import update
 
@@ -46,10 +47,18 @@ def earlier_attempt(key: bytes, token: bytes) -> int | None:
     return given
 
 
-async def hand_to_agent(database: Database, episode_id: str, attempt: int) -> str | None:
+@dataclass(frozen=True)
+class HandedOver:
+    """An attempt handed over to its driver: its token, and its place in its batch."""
+
+    token: str
+    batch_id: str
+    group_index: int
+
+
+async def hand_to_agent(database: Database, episode_id: str, attempt: int) -> HandedOver | None:
     """Gives the running attempt `attempt` of the episode a token for its driver (the worker keeps
-    its lease); the token, or None if the attempt no longer runs (cancelled, or its lease was lost
-    meanwhile)."""
+    its lease); None if the attempt no longer runs (cancelled, or its lease was lost meanwhile)."""
     token = attempt_token(attempt)
     async with database.writer.begin() as session:
         rows = await session.execute(
@@ -61,7 +70,8 @@ async def hand_to_agent(database: Database, episode_id: str, attempt: int) -> st
                 Episode.agent_token.is_(None),
             )
             .values(agent_token=token)
-            .returning(Episode.id)
+            .returning(Episode.batch_id, Episode.group_index)
             .execution_options(synchronize_session=False)
         )
-        return token if rows.first() is not None else None
+        row = rows.first()
+    return None if row is None else HandedOver(token, row.batch_id, row.group_index)

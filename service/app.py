@@ -11,6 +11,7 @@ from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from service.agents import routes as agents
+from service.agents.chat_completions import ChatCompletionsFastPath
 from service.agents.service import AgentSessions
 from service.agents.session import AgentTurns
 from service.api import access, batches, engine, envs, episodes, groups, health
@@ -118,6 +119,7 @@ def create_app(settings: Settings | None = None, shutting_down: asyncio.Event | 
         redoc_url=None,
     )
     install_error_handlers(app)
+    app.add_middleware(ChatCompletionsFastPath)  # inside install_middleware's guard
     install_middleware(app, settings)
     for module in (episodes, batches, groups, envs, engine, health, access, agents):
         app.include_router(module.router)

@@ -336,3 +336,67 @@ async def test_an_episode_finished_before_any_call_ends_failed(
     assert episode["status"] == "failed" and "before its first call" in episode["error"]
     batch = (await agent_service.get(f"/batches/{episode['batch_id']}")).json()
     assert batch["complete"] and batch["counts"]["failed"] == 1 and batch["counts"]["aborted"] == 1
+
+
+async def test_chat_completions_answer_alike_through_the_fast_path_and_the_route(
+    service: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A JSON body of a declared length that validates takes ChatCompletionsFastPath; a chunked
+    body (no Content-Length) takes the FastAPI route. Both store the call and answer alike,
+    errors included: a message without a role, an unknown token, a body that does not validate
+    (the route answers it for both), a query the route does not take."""
+    from service.agents.chat_completions import ChatCompletionsFastPath
+
+    fast_calls = 0
+    answer = ChatCompletionsFastPath._answer
+
+    async def counted(*args: Any) -> None:
+        nonlocal fast_calls
+        fast_calls += 1
+        await answer(*args)
+
+    monkeypatch.setattr(ChatCompletionsFastPath, "_answer", staticmethod(counted))
+    fast, routed = await open_episodes(service, samples=2)
+
+    async def post(
+        agent: dict[str, Any], body: dict[str, Any], chunked: bool, **extra: Any
+    ) -> httpx.Response:
+        payload = json.dumps(body).encode()
+
+        async def pieces() -> Any:
+            yield payload
+
+        headers = {"Authorization": f"Bearer {agent['api_key']}", "Content-Type": "application/json"}
+        return await service.post(
+            f"/v1/episodes/{agent['episode_id']}/chat/completions",
+            content=pieces() if chunked else payload,
+            headers=headers | extra.pop("headers", {}),
+            **extra,
+        )
+
+    call = {"model": "policy", "messages": [QUESTION], "tools": TOOLS}
+    answers = [await post(fast, call, chunked=False), await post(routed, call, chunked=True)]
+    assert fast_calls == 1
+    for response in answers:
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    for agent in (fast, routed):
+        assert (await service.get(f"/episodes/{agent['episode_id']}")).json()["num_turns"] == 1
+
+    no_role = {"model": "policy", "messages": [{"content": "Hi"}]}
+    for body, extra, status in [
+        (no_role, {}, 422),
+        (call, {"headers": {"Authorization": "Bearer not-its-token"}}, 401),
+        ({**call, "messages": []}, {}, 422),
+        ({**call, "temperature": -1}, {}, 422),
+        (call, {"params": {"include_token": "true"}}, 422),
+    ]:
+        both = [
+            await post(fast, body, chunked=False, **extra),
+            await post(fast, body, chunked=True, **extra),
+        ]
+        assert [response.status_code for response in both] == [status, status], [r.text for r in both]
+        assert both[0].json() == both[1].json()
+    assert fast_calls == 3  # the role and the token: the bodies that validate, without a query
+    error = (await post(fast, no_role, chunked=False)).json()
+    assert error["error"]["param"] == "messages.0.role", error

@@ -4,14 +4,18 @@ events, and its route."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.agents.conversation import Answer, ChatCall
 from service.agents.deps import (
@@ -20,8 +24,10 @@ from service.agents.deps import (
     WaitingEpisode,
     http_errors,
     openai_error,
+    protocol_error,
     protocol_errors,
     streamed,
+    waiting_episode,
 )
 from service.agents.streaming import AnswerStream, Kind
 from service.api.deps import ServicesDep
@@ -34,6 +40,7 @@ from service.api.errors import (
     error_body,
     responses,
 )
+from service.api.schemas import ID_PATTERN
 from service.api.values import Text, storable_json
 
 router = APIRouter(route_class=protocol_errors(openai_error))  # tagged by routes.py
@@ -181,3 +188,88 @@ async def chat_completions(
     with http_errors:
         answer = await services.agents.complete(episode, call)
     return Response(orjson.dumps(completion_body(answer, body.model)), media_type="application/json")
+
+
+# POST /v1/episodes/{episode_id}/chat/completions, its id as EpisodeId takes it.
+_CHAT_PATH = re.compile("/v1/episodes/(" + ID_PATTERN.strip("^$") + ")/chat/completions")
+_JSON = re.compile(r"application/json\s*(;\s*charset=\"?utf-8\"?\s*)?", re.IGNORECASE)
+
+
+class ChatCompletionsFastPath:
+    """The chat completions route of agents' episodes without FastAPI's routing, dependency
+    solving and exception middleware, for a request the route would take as it is: a JSON body of
+    a declared length that parses and validates as ChatCompletionRequest, and no query. Anything
+    else (a bad body, a query, a chunked body, another content type) goes to the route as it came,
+    which answers it (its 4xx naming the field), so both answer alike; the route stays the API's
+    contract (OpenAPI). Auth is the route's (`waiting_episode`), its errors the route's
+    (`protocol_error`). Hand-written on a measured hot path: an agent-driven env's harness calls
+    the model only over HTTP, and FastAPI's machinery (the route matched among all the API's, the
+    dependencies solved, the exception middleware's send wrapper) was about a third of its HTTP
+    handling (bench/verifiers_envs.py --profile). Sits inside GuardMiddleware (API keys, body size)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = _CHAT_PATH.fullmatch(scope["path"]) if scope["type"] == "http" else None
+        if path is None or scope["method"] != "POST" or scope["query_string"]:
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        length = headers.get("content-length", "")
+        if not length.isdigit() or not _JSON.fullmatch(headers.get("content-type", "")):
+            await self.app(scope, receive, send)
+            return
+        body, messages = await _read_body(receive)
+        if body is None:  # the agent went away before its body came whole
+            return
+        try:
+            request = ChatCompletionRequest.model_validate(orjson.loads(body))
+        except (orjson.JSONDecodeError, ValidationError):  # the route tells what is wrong
+            await self.app(scope, _replay(messages, receive), send)
+            return
+        await self._answer(scope, receive, send, path.group(1), headers, request)
+
+    @staticmethod
+    async def _answer(
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        episode_id: str,
+        headers: Headers,
+        body: ChatCompletionRequest,
+    ) -> None:
+        http = Request(scope, receive)
+        services = scope["state"]["services"]
+        try:
+            authorization, api_key = headers.get("authorization", ""), headers.get("x-api-key", "")
+            episode = await waiting_episode(services, episode_id, authorization, api_key)
+            response = await chat_completions(body, http, services, episode)
+        except Exception as error:
+            failure = protocol_error(http, error, openai_error)
+            if failure is None:
+                raise
+            response = failure
+        await response(scope, receive, send)
+
+
+async def _read_body(receive: Receive) -> tuple[bytes | None, list[Message]]:
+    """The request's body and the messages it came in; None if the client went away first."""
+    messages: list[Message] = []
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return None, messages
+        if not message.get("more_body", False):
+            return b"".join(part.get("body", b"") for part in messages), messages
+
+
+def _replay(messages: list[Message], receive: Receive) -> Callable[[], Awaitable[Message]]:
+    """`receive` with the messages already read given first."""
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed

@@ -158,19 +158,25 @@ def protocol_errors(fields: ProtocolError) -> type[APIRoute]:
                 try:
                     return await handler(request)
                 except Exception as error:
-                    failure = as_service_error(request, error)
+                    failure = protocol_error(request, error, fields)
                     if failure is None:
                         raise
-                    body = error_body(failure)
-                    return JSONResponse(
-                        body.model_dump() | fields(failure, body),
-                        status_code=failure.status_code,
-                        headers=error_headers(failure),
-                    )
+                    return failure
 
             return answer
 
     return ProtocolRoute
+
+
+def protocol_error(request: Request, error: Exception, fields: ProtocolError) -> JSONResponse | None:
+    """`error` answered as the service's error with a protocol's own error fields (`fields`);
+    None for what the app's handlers answer otherwise (Starlette's own HTTP errors)."""
+    failure = as_service_error(request, error)
+    if failure is None:
+        return None
+    body = error_body(failure)
+    content = body.model_dump() | fields(failure, body)
+    return JSONResponse(content, status_code=failure.status_code, headers=error_headers(failure))
 
 
 def openai_error(error: ServiceError, body: ErrorBody) -> dict[str, Any]:

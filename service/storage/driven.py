@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import update
+from sqlalchemy import Table, Update, bindparam, update
 
 from service.records import EpisodeStatus
 from service.storage.db import Database
@@ -56,22 +56,33 @@ class HandedOver:
     group_index: int
 
 
+def _hand_over_statement() -> Update:
+    """The hand-over's write, built once, on the table: the ORM entity's update ran the ORM's
+    bulk-update path per episode."""
+    table: Table = Episode.__table__  # type: ignore[assignment]  # a declarative model's Table
+    return (
+        update(table)
+        .where(
+            table.c.id == bindparam("episode"),
+            table.c.attempt == bindparam("current_attempt"),
+            table.c.status == EpisodeStatus.RUNNING.value,
+            table.c.agent_token.is_(None),
+        )
+        .values({table.c.agent_token: bindparam("token", type_=table.c.agent_token.type)})
+        .returning(table.c.batch_id, table.c.group_index)
+    )
+
+
+_HAND_OVER = _hand_over_statement()
+
+
 async def hand_to_agent(database: Database, episode_id: str, attempt: int) -> HandedOver | None:
     """Gives the running attempt `attempt` of the episode a token for its driver (the worker keeps
     its lease); None if the attempt no longer runs (cancelled, or its lease was lost meanwhile)."""
     token = attempt_token(attempt)
     async with database.writer.begin() as session:
         rows = await session.execute(
-            update(Episode)
-            .where(
-                Episode.id == episode_id,
-                Episode.attempt == attempt,
-                Episode.status == EpisodeStatus.RUNNING.value,
-                Episode.agent_token.is_(None),
-            )
-            .values(agent_token=token)
-            .returning(Episode.batch_id, Episode.group_index)
-            .execution_options(synchronize_session=False)
+            _HAND_OVER, {"episode": episode_id, "current_attempt": attempt, "token": token}
         )
         row = rows.first()
     return None if row is None else HandedOver(token, row.batch_id, row.group_index)

@@ -139,6 +139,11 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
+def _time_out(answer: asyncio.Future[Reply], seconds: float) -> None:
+    if not answer.done():
+        answer.set_exception(TimeoutError(f"no answer within {seconds:g} s"))
+
+
 class SocketTransport:
     """POSTs over asyncio's sockets with a keep-alive pool per engine URL, the response parsed by
     httptools (C): a request costs a write and a parse.
@@ -212,14 +217,21 @@ class SocketTransport:
         except (OSError, TimeoutError) as error:
             reason = f"cannot connect: {type(error).__name__}: {error}"
             raise TransportFailure(reason, may_be_running=False) from error
+        timer: asyncio.TimerHandle | None = None
         try:
-            async with asyncio.timeout(timeout_seconds):
-                reply = await connection.send(b"%s%d\r\n%s\r\n%s" % (head, len(body), extra, body), on_body)
+            answer = connection.send(b"%s%d\r\n%s\r\n%s" % (head, len(body), extra, body), on_body)
+            # One timer failing the answer, not asyncio.timeout (its Timeout and the task's cancel
+            # and uncancel): a measured hot path, every generate call.
+            timer = asyncio.get_running_loop().call_later(timeout_seconds, _time_out, answer, timeout_seconds)
+            reply = await answer
         except BaseException as error:  # a timeout, a dropped connection, a cancellation
             connection.close()  # mid-request: its state is unknown
             if isinstance(error, TimeoutError | ConnectionError | OSError):
                 raise TransportFailure(f"{type(error).__name__}: {error}", may_be_running=True) from error
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         self._release(key, connection)
         return reply
 

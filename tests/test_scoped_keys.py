@@ -27,6 +27,7 @@ from service.config import Settings
 from service.serving import serve_app
 from service.sim.worker import SimWorker
 from tests.conftest import service_settings
+from tests.support.service_process import wait_for
 from tests.test_api import submission
 
 ARROW = "application/vnd.apache.arrow.stream"
@@ -120,6 +121,13 @@ async def world(database_url: str, sim: tuple[SimWorker, str]) -> AsyncIterator[
         for batch_id in (A_BATCH, B_BATCH, ADMIN_BATCH, CASE_BATCH):
             done = await http.get(f"/batches/{batch_id}", params={"wait": 60}, headers=ADMIN)
             assert done.json()["complete"], done.text
+
+        async def streamed() -> bool:
+            """Every group in GET /groups: it is logged just after its batch completes, not with it."""
+            response = await http.get("/groups", headers=ADMIN, params={"limit": 1000})
+            return len(response.json()["groups"]) == 8
+
+        await wait_for(streamed, 60, "the 4 batches' 8 groups in GET /groups")
         yield World(http, episodes)
 
 

@@ -41,6 +41,7 @@ from service.serving import serve_app
 from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_thread
 from service.storage.db import Database, run_migrations
 from tests.support.agents import weather_policy
+from tests.support.remote_servers import GUESS_SERVER, OpenEnvServers, launch_server, listening
 from tests.support.settings import TEST_SETTINGS
 
 POSTGRES_ADMIN_URL = os.environ.get(
@@ -237,20 +238,49 @@ def openenv_client() -> None:
 
 
 WIDER_SCOPES = {"package", "module", "class"}
+# Session-scoped fixtures that several modules share, each costly to build once per worker (`shared_group`).
+SHARED_GROUPS: set[str] = set()
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def shared_group(fixture: F) -> F:
+    """Marks a session-scoped fixture as one that several modules share, costly to build once per
+    worker: the tests using it, whatever their module, are an xdist group of its name, so one worker
+    builds it. Under `@pytest.fixture(scope="session")`."""
+    SHARED_GROUPS.add(fixture.__name__)
+    return fixture
+
+
+@pytest.fixture(scope="session")
+@shared_group
+def openenv_servers(openenv_client: None) -> Iterator[OpenEnvServers]:
+    """The example's OpenEnv servers (examples/openenv_counter/server.py: two counter envs and a
+    guess env), started side by side once for the remote-env modules that share them
+    (tests/test_remote_envs.py, tests/test_remote_openenv.py): each start imports openenv-core, the
+    slowest part of these modules. Their tests are one xdist group (`shared_group`), so one
+    worker starts them. Each test leaves no session open on them (it waits until the servers report 0)."""
+    launched = [launch_server(), launch_server(), launch_server(command=GUESS_SERVER)]
+    with listening(launched) as (first, second, guess):
+        yield OpenEnvServers(counters=[first, second], guess=guess)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n`, with `--dist=loadgroup`), the tests of a module that share a
     module- or class-scoped fixture (a vLLM server, a trainer's stand-in) run on one worker, which
-    builds it once; every other test goes wherever a worker is free (tests/test_xdist_groups.py).
+    builds it once, and so do the tests of any module using a `shared_group` session-scoped
+    fixture; every other test goes wherever a worker is free (tests/test_xdist_groups.py).
     First of the hook's implementations: xdist's worker reads the marks in its own, which pluggy
     calls before this conftest's otherwise (the last registered first): it saw no mark."""
     for item in items:
         if not isinstance(item, pytest.Function):
             continue
         definitions = item._fixtureinfo.name2fixturedefs
-        if any(defs[-1].scope in WIDER_SCOPES for defs in definitions.values() if defs):
+        shared = sorted(SHARED_GROUPS.intersection(item.fixturenames))
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
+        elif any(defs[-1].scope in WIDER_SCOPES for defs in definitions.values() if defs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
 
 

@@ -9,7 +9,7 @@ import asyncio
 import json
 import re
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -25,7 +25,7 @@ from service.sim.policy import SimConfig
 from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
 from tests.conftest import service_settings
 from tests.support.contract import assert_stored_episode_matches_sim
-from tests.support.remote_servers import MCP_SERVER, EnvServer, env_servers
+from tests.support.remote_servers import MCP_SERVER, EnvServer, OpenEnvServers, env_servers
 
 ENV = "remote/counter"
 
@@ -64,10 +64,10 @@ async def finished_batch(client: httpx.AsyncClient, batch_id: str) -> dict[str, 
     return batch
 
 
-@pytest.fixture(scope="module")
-def two_servers(openenv_client: None) -> Iterator[list[EnvServer]]:
-    with env_servers(2) as servers:
-        yield servers
+@pytest.fixture
+def two_servers(openenv_servers: OpenEnvServers) -> list[EnvServer]:
+    """Two counter env servers, the session's (shared with tests/test_remote_openenv.py)."""
+    return openenv_servers.counters
 
 
 async def wait_closed(servers: list[EnvServer]) -> None:
@@ -163,8 +163,8 @@ async def test_the_cap_holds_sessions_per_server_and_placement_is_least_loaded(
         remote_config(two_servers, max_sessions_per_server=2, placement_timeout_seconds=0.5)
     )
     envs = RemoteEnvs([config], local=None)  # type: ignore[arg-type]
-    # The servers are the module's: a session an earlier test closed may still be open on its server
-    # (a timed-out 1.5 s step runs on after its close), and the counts below are the servers' own.
+    # The servers are the session's (tests/conftest.py): a session an earlier test closed may still be
+    # open on its server (a timed-out step runs on after its close), and the counts below are the servers'.
     await wait_closed(two_servers)
     try:
         sessions = [await open_and_reset(envs, index) for index in range(4)]

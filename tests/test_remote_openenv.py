@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -25,7 +24,7 @@ from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
 from tests.conftest import service_settings
 from tests.support.contract import assert_stored_episode_matches_sim
 from tests.support.ports import free_port
-from tests.support.remote_servers import GUESS_SERVER, EnvServer, launch_server, wait_listening
+from tests.support.remote_servers import EnvServer, OpenEnvServers
 from tests.test_remote_envs import ENV, counter_oracle, finished_batch, remote_config, wait_closed
 
 GUESS = "remote/guess"
@@ -39,29 +38,16 @@ def guess_oracle(prompt_text: str, key: str) -> str:
     return f"<tool_call>\n{json.dumps({'name': 'step', 'arguments': {'guess': guess}})}\n</tool_call>"
 
 
-@pytest.fixture(scope="module")
-def both_servers(openenv_client: None) -> Iterator[tuple[EnvServer, EnvServer]]:
-    """The example's plain action env and its MCP counter env, started together (each takes long
-    to import openenv-core on a loaded machine)."""
-    guess, counter = launch_server(command=GUESS_SERVER), launch_server()
-    try:
-        wait_listening(guess)
-        wait_listening(counter)
-        yield guess, counter
-    finally:
-        for server in (guess, counter):
-            if server.process.poll() is None:
-                server.kill()
+@pytest.fixture
+def guess_server(openenv_servers: OpenEnvServers) -> EnvServer:
+    """The example's plain action env, the session's (tests/conftest.py)."""
+    return openenv_servers.guess
 
 
 @pytest.fixture
-def guess_server(both_servers: tuple[EnvServer, EnvServer]) -> EnvServer:
-    return both_servers[0]
-
-
-@pytest.fixture
-def counter_server(both_servers: tuple[EnvServer, EnvServer]) -> EnvServer:
-    return both_servers[1]
+def counter_server(openenv_servers: OpenEnvServers) -> EnvServer:
+    """One of the session's counter env servers, which tests/test_remote_envs.py uses too."""
+    return openenv_servers.counters[0]
 
 
 def test_the_wire_dicts_are_openenv_cores_types() -> None:

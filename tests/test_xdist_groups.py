@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.conftest import shared_group
+
 
 @pytest.fixture(scope="module")
 def shared() -> Iterator[str]:
@@ -27,3 +29,20 @@ def test_a_test_sharing_a_module_fixture_is_grouped_with_its_module(
 def test_a_test_sharing_nothing_is_not_grouped(request: pytest.FixtureRequest) -> None:
     assert request.node.get_closest_marker("xdist_group") is None
     assert "@" not in request.node.nodeid
+
+
+@pytest.fixture(scope="session")
+@shared_group
+def shared_across_modules() -> Iterator[str]:
+    yield "built once per run"
+
+
+def test_a_test_sharing_a_shared_group_fixture_is_in_its_group_whatever_its_module(
+    shared_across_modules: str, shared: str, request: pytest.FixtureRequest
+) -> None:
+    """The fixture's group, not the module's (its module-scoped fixture notwithstanding): the other
+    modules using the fixture join the same group."""
+    mark = request.node.get_closest_marker("xdist_group")
+    assert mark is not None and mark.args == ("shared_across_modules",)
+    if hasattr(request.config, "workerinput") and request.config.getvalue("loadgroup"):
+        assert request.node.nodeid.endswith("@shared_across_modules"), request.node.nodeid

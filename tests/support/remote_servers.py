@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,17 +76,10 @@ def wait_listening(server: EnvServer, health: str = "/health") -> None:
 
 
 @contextmanager
-def env_servers(
-    count: int,
-    max_sessions: int | None = 64,
-    command: tuple[str, ...] = tuple(OPENENV_SERVER),
-    health: str = "/health",
-) -> Iterator[list[EnvServer]]:
-    """`count` servers, started side by side (each imports its libraries at once), once all listen."""
-    servers: list[EnvServer] = []
+def listening(servers: list[EnvServer], health: str = "/health") -> Iterator[list[EnvServer]]:
+    """`servers`, launched side by side (each imports its libraries at once), once all answer
+    `health`; killed at the end."""
     try:
-        for _ in range(count):
-            servers.append(launch_server(max_sessions, command))
         for server in servers:
             wait_listening(server, health)
         yield servers
@@ -94,3 +87,29 @@ def env_servers(
         for server in servers:
             if server.process.poll() is None:
                 server.kill()
+
+
+def env_servers(
+    count: int,
+    max_sessions: int | None = 64,
+    command: tuple[str, ...] = tuple(OPENENV_SERVER),
+    health: str = "/health",
+) -> AbstractContextManager[list[EnvServer]]:
+    """`count` servers of `command`, started side by side, once all listen (`listening`)."""
+    servers: list[EnvServer] = []
+    try:
+        for _ in range(count):
+            servers.append(launch_server(max_sessions, command))
+    except BaseException:
+        for server in servers:
+            server.kill()
+        raise
+    return listening(servers, health)
+
+
+@dataclass(frozen=True)
+class OpenEnvServers:
+    """The example's OpenEnv servers the remote-env tests share (tests/conftest.py's openenv_servers)."""
+
+    counters: list[EnvServer]  # two of its MCP counter env
+    guess: EnvServer  # its plain action env

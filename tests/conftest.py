@@ -282,6 +282,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(shared[0]))
         elif any(defs[-1].scope in WIDER_SCOPES for defs in definitions.values() if defs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+    # xdist's loadgroup hands out the groups of several tests first, the largest first, then the other
+    # tests and groups in this order: those with a long test (marked slow) lead it, so that none
+    # starts last and alone.
+    slow = {_scope(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _scope(item) not in slow)
+
+
+def _scope(item: pytest.Item) -> str:
+    """What xdist's loadgroup sends to one worker: the test's group, else the test alone."""
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0]) if mark and mark.args else item.nodeid
 
 
 class _GroupInNodeId:

@@ -137,6 +137,7 @@ def test_soak_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(sample["rss_mib"] > 0 and sample["fds"] > 0 for sample in result["samples"])
 
 
+@pytest.mark.slow
 def test_weight_update_quick(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("weight_update")
     bench.main(["--episodes", "16", "--updates", "2", "--interval", "1", "--latency", "0.1"])
@@ -148,6 +149,7 @@ def test_weight_update_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(resumed["abort_loops"]) == 2
 
 
+@pytest.mark.slow
 def test_weight_update_with_sticky_placement_quick(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("weight_update")
     bench.main(["--episodes", "16", "--updates", "2", "--interval", "1", "--latency", "0.1", "--workers", "2",
@@ -244,6 +246,7 @@ def test_trainer_adapters_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(result["load_average_before"]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.usefixtures("postgres_template")
 def test_capacity_quick(capsys: pytest.CaptureFixture[str]) -> None:
@@ -275,6 +278,7 @@ def test_engines_quick(capsys: pytest.CaptureFixture[str]) -> None:
     )
 
 
+@pytest.mark.slow
 def test_remote_envs_quick(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_bench("remote_envs")
     report = bench.main(["--quick"])

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 STEP_LINE = re.compile(
     r"^step (\d): 6 episodes in 3 groups \(\d with a reward spread\), reward mean [0-9.]+ std [0-9.]+, "
@@ -15,6 +17,7 @@ STEP_LINE = re.compile(
 )
 
 
+@pytest.mark.slow
 def test_grpo_loop_runs_against_a_local_service() -> None:
     command = [
         sys.executable,

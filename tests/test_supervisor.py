@@ -140,6 +140,7 @@ async def test_two_processes_share_one_port_and_run_each_episode_once(
         assert f"service process {pid} stopped" in parent
 
 
+@pytest.mark.slow
 async def test_sigterm_to_the_parent_drains_every_process(
     database_url: str, db: Database, tmp_path: Path
 ) -> None:
@@ -237,6 +238,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 async def test_processes_drain_and_exit_when_the_parent_dies(database_url: str, tmp_path: Path) -> None:
     async with simulated_sglang(latency_seconds=0.05) as (_, sglang_url):

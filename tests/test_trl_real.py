@@ -61,6 +61,7 @@ def run_step(python: str, model: str, out: Path, tasks: list[int]) -> dict[str, 
 
 # The database is not what this test is about (test_trl_adapter.py covers both); one TRL step on
 # the CPU is the slow part.
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 async def test_trls_real_grpo_trainer_trains_on_exactly_the_stored_tokens(
     service: tuple[str, SimWorker], tokenizer: Any, tmp_path: Path

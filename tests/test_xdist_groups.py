@@ -46,3 +46,19 @@ def test_a_test_sharing_a_shared_group_fixture_is_in_its_group_whatever_its_modu
     assert mark is not None and mark.args == ("shared_across_modules",)
     if hasattr(request.config, "workerinput") and request.config.getvalue("loadgroup"):
         assert request.node.nodeid.endswith("@shared_across_modules"), request.node.nodeid
+
+
+def test_the_long_tests_come_first(request: pytest.FixtureRequest) -> None:
+    """Every test, or group, with a slow test in it comes before the others in the collection (whose
+    order xdist follows once the groups of several tests are handed out; tests/conftest.py)."""
+    slow_groups = {
+        mark.args[0]
+        for item in request.session.items
+        if item.get_closest_marker("slow") and (mark := item.get_closest_marker("xdist_group"))
+    }
+    slow = [
+        bool(item.get_closest_marker("slow"))
+        or getattr(item.get_closest_marker("xdist_group"), "args", (None,))[0] in slow_groups
+        for item in request.session.items
+    ]
+    assert slow == sorted(slow, reverse=True)

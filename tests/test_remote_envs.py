@@ -237,9 +237,12 @@ async def test_a_plain_answer_ends_the_episode_or_goes_to_the_respond_tool(
         await envs.close()
 
 
-@pytest.mark.usefixtures("openenv_client")
-async def test_a_server_killed_mid_batch_fails_its_episodes_as_retryable_and_leaves_placement() -> None:
-    with env_servers(2) as servers:
+async def test_a_server_killed_mid_batch_fails_its_episodes_as_retryable_and_leaves_placement(
+    two_servers: list[EnvServer],
+) -> None:
+    # One server of its own to kill, beside one of the session's.
+    with env_servers(1) as (doomed,):
+        servers = [doomed, two_servers[1]]
         config = RemoteEnvConfig.model_validate(remote_config(servers))
         envs = RemoteEnvs([config], local=None)  # type: ignore[arg-type]
         try:

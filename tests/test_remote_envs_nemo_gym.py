@@ -308,9 +308,12 @@ def kill_mid_episode(servers: list[EnvServer], stop: threading.Event) -> None:
 
 
 async def test_a_server_killed_mid_batch_reruns_its_episodes_on_the_other(
-    database_url: str, dataset: Path
+    database_url: str, dataset: Path, two_servers: list[EnvServer]
 ) -> None:
-    with nemo_servers(2) as servers:
+    # One server of its own to kill; the episodes rerun on one of the module's (each start imports
+    # nemo-gym: about 4 s of CPU).
+    with nemo_servers(1) as (doomed,):
+        servers = [doomed, two_servers[0]]
         # Slow turns keep episodes open on both servers when one is killed.
         sim = SimWorker(SimConfig(latency_seconds=0.3, policy=counter_oracle))
         remote = json.dumps([nemo_config([server.url for server in servers], dataset)])

@@ -66,6 +66,41 @@ async def test_the_runner_ends_an_episode_at_its_deadline() -> None:
     assert result.tokens.response_ids[-len(chat_tokenizer().close_ids) :] != []
 
 
+@dataclass
+class NeverAnswers(FixedReplies):
+    """Takes every call and never answers (an engine that stalled)."""
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        *,
+        input_ids_json: str | None = None,
+    ) -> Generation:
+        self.rids.append(rid)
+        await asyncio.Event().wait()
+        raise AssertionError("never answers")
+
+
+async def test_a_deadline_before_the_first_turn_fails_the_episode_as_no_sample() -> None:
+    """Truncated with reward 0 and no sampled token, the episode would reach trainers as a sample
+    the model never played: it fails (no reward) and is re-run within the attempt budget."""
+    host = EnvHost(workers=1, executor="thread", envs=TEST_ENVS)
+    try:
+        engine = NeverAnswers([])
+        runner = EpisodeRunner(engine, host, chat_tokenizer(), get_parser("qwen25"))
+        request = EpisodeRequest(
+            "test/probe", "train", 3, {"max_new_tokens": 64}, 5, episode_timeout_seconds=0.3
+        )
+        result = await asyncio.wait_for(runner.run(EpisodeSpec("ep", 2, request)), 10)
+    finally:
+        await host.close()
+    assert (result.status, result.reward, result.retryable) == (EpisodeStatus.FAILED, None, True)
+    assert result.error == "deadline: still running after 0.3 s (step), before its first turn"
+    assert result.turns == [] and engine.rids == ["ep:2:0"] and engine.aborted == ["ep:2:"]
+
+
 @pytest.fixture
 async def slow_service(database_url: str) -> AsyncIterator[tuple[SimWorker, httpx.AsyncClient]]:
     sim = SimWorker(SimConfig(latency_seconds=0.5, malformed_call_rate=0.0, ramble_rate=0.0))

@@ -104,6 +104,12 @@ class EpisodeRunner:
             # The engine call under way, if any, was cancelled: free its slot on the engine too.
             await self.engine.abort(attempt_rid_prefix(spec.episode_id, spec.attempt))
             note = f"{DEADLINE_NOTE}: still running after {timeout:g} s ({episode.phase})"
+            if not episode.turns:
+                # Cut before the model sampled a turn (a slow env construction or reset, a first
+                # call still waiting on the engine): no sample to train on, and not the policy's
+                # doing. Failed, re-run within the attempt budget, as an agent-driven episode
+                # finished before its first call is failed.
+                return episode.end(EpisodeStatus.FAILED, f"{note}, before its first turn", retryable=True)
             return episode.end(EpisodeStatus.TRUNCATED, note)
         except EngineRequestError as error:
             if any(words in str(error).lower() for words in CONTEXT_LENGTH_ERRORS):  # outgrew the model

@@ -450,3 +450,36 @@ async def test_the_transport_times_out_aborts_and_retries_under_a_new_rid(
             await transport.aclose()
     assert [request.rid for request in worker.requests] == ["slow:0:0", "slow:0:0.retry1"]
     assert {"rid": "slow:0:0", "abort_all": False} in worker.aborts
+
+
+async def test_a_health_probe_on_a_kept_alive_connection_closed_under_it_is_sent_again() -> None:
+    """The engine's server closes a kept-alive connection just as the probe goes out on it (its idle
+    timeout, or a client whose event loop stalled past its own expiry): the probe, idempotent, is
+    sent once more on a new connection, and a live engine is not reported unreachable (/ready)."""
+    requests: list[int] = []  # per request: the connection it came on
+    writers: list[asyncio.StreamWriter] = []
+
+    async def answer_once_then_drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        connection = len(writers)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while await reader.readuntil(b"\r\n\r\n"):
+                requests.append(connection)
+                if requests.count(connection) > 1:  # its second request: closed without an answer
+                    break
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        writer.close()
+
+    server = await asyncio.start_server(answer_once_then_drop, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with make_control_client(5.0) as http:
+            client = make_client(http, url)
+            assert await client.health()
+            assert await client.health()  # sent on the kept connection, dropped, sent again
+            assert await client._health_problem() is None
+        assert requests == [1, 1, 2, 2, 3]
+    finally:
+        for writer in writers:
+            writer.close()
+        server.close()

@@ -689,7 +689,7 @@ class SGLangClient:
     async def _health_problem(self) -> str | None:
         """None if the engine's /health answers (a 4xx too: an engine without that route), else why not."""
         try:
-            response = await self._http.get(f"{self.base_url}/health", timeout=PROBE_TIMEOUT_SECONDS)
+            response = await self._get_health(PROBE_TIMEOUT_SECONDS)
         except httpx.TransportError as error:
             return f"{type(error).__name__}: {error}".rstrip(": ")
         if response.status_code >= 500:
@@ -698,10 +698,21 @@ class SGLangClient:
 
     async def health(self) -> bool:
         try:
-            response = await self._http.get(f"{self.base_url}/health", timeout=CONTROL_TIMEOUT_SECONDS)
+            response = await self._get_health(CONTROL_TIMEOUT_SECONDS)
         except httpx.TransportError:
             return False
         return response.status_code == 200
+
+    async def _get_health(self, timeout_seconds: float) -> httpx.Response:
+        """GET /health, sent once more on a new connection where the kept-alive one it went out on
+        was closed under it without an answer: the engine's uvicorn closes idle connections, and a
+        client whose event loop stalled past its own shorter expiry (KEEPALIVE_SECONDS) can still
+        pick one up as it closes. /ready answered 503 for a live engine so (schemathesis, load 25)."""
+        url = f"{self.base_url}/health"
+        try:
+            return await self._http.get(url, timeout=timeout_seconds)
+        except (httpx.RemoteProtocolError, httpx.ReadError):  # closed before any answer: idempotent
+            return await self._http.get(url, timeout=timeout_seconds)
 
 
 def _worker_list(body: Any) -> list[str]:

@@ -231,7 +231,7 @@ async def client(database_url: str, sim: tuple[SimWorker, str]) -> AsyncIterator
 @pytest.fixture(scope="session")
 def openenv_client() -> None:
     """openenv-core's client imported before a test starts a service with an OpenEnv env: the
-    service imports it then, and that import (gradio with it: about 5 s of CPU) outlasted the
+    service imports it then, and that import (5 s of CPU with gradio, 2 s since without) outlasted the
     start-up timeout on a loaded machine. A fixture, not an import at the top of the test modules,
     so that only the workers running these tests pay it, not every worker's collection."""
     importlib.import_module("service.envs.remote.openenv")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -213,3 +215,17 @@ async def test_a_freed_slot_goes_to_the_first_waiter_still_waiting() -> None:
         assert await waiters[2] is server and server.sessions == 1
     finally:
         await pool.close()
+
+
+def test_the_openenv_client_is_imported_without_gradio_which_stays_importable() -> None:
+    """openenv-core's client would import its web UI (gradio: about 3 s of CPU at every start of a
+    service process with an OpenEnv env); gradio stays importable for the rest of the process."""
+    check = (
+        "import importlib.util, sys\n"
+        "import service.envs.remote.openenv as openenv\n"
+        "assert 'gradio' not in sys.modules, 'gradio imported'\n"
+        "assert importlib.util.find_spec('gradio') is not None\n"  # raises where it is still blocked
+        "assert openenv.SessionClient.__mro__[1].__name__ == 'GenericEnvClient'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 from typing import Any
 
 import orjson
-from openenv.core.generic_client import GenericEnvClient
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 from websockets.protocol import State
@@ -29,6 +29,21 @@ from service.envs.remote.openenv_actions import (
 )
 from service.envs.remote.openenv_idle import IdleSessions
 from service.envs.remote.pool import PoolMetrics, Server, ServerPool
+
+# openenv-core's GenericEnvClient, imported without gradio: importing the client imports the
+# package's server side, which imports its web interface (gradio) unless gradio is missing, a case
+# it allows for (env_server/__init__.py catches the ModuleNotFoundError). A client needs no web UI,
+# and gradio was about 3 of the 5 s of CPU the import cost (python -X importtime), at every start of
+# a service process with an OpenEnv env. gradio is importable again afterwards, for any other code of
+# the process that uses it; where it was already imported, nothing is blocked.
+_BLOCK_GRADIO = "gradio" not in sys.modules
+if _BLOCK_GRADIO:
+    sys.modules["gradio"] = None  # type: ignore[assignment]  # the import system's "missing"
+try:
+    from openenv.core.generic_client import GenericEnvClient
+finally:
+    if _BLOCK_GRADIO:
+        del sys.modules["gradio"]
 
 # The server's error codes (openenv WSErrorCode) of a session that was never made: safe to retry.
 NOT_STARTED_CODES = frozenset({"CAPACITY_REACHED", "FACTORY_ERROR", "SESSION_ERROR"})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -340,6 +341,38 @@ async def test_mcp_stdio_episodes_run_end_to_end(database_url: str) -> None:
         assert tools == [("write", f"stored k{episode['task_index']}")]
         assert episode["messages"][0]["content"] == "Use the notebook tools, then answer."
         assert_stored_episode_matches_sim(sim, episode)
+
+
+def test_an_mcp_stdio_command_launches_whatever_stderr_was_when_mcp_was_imported() -> None:
+    """The SDK's stdio transport writes the command's stderr to the sys.stderr of when mcp was first
+    imported (a default argument): imported under a test's captured output (a stream of no file),
+    every later launch in the process failed (UnsupportedOperation: fileno: the stdio test in CI, on a
+    worker where an earlier test had imported mcp). In a fresh interpreter: mcp imported under such
+    a stream, then a session."""
+    check = f"""
+import asyncio, io, sys
+captured, sys.stderr = sys.stderr, io.StringIO()
+import service.envs.remote.mcp_tools  # mcp with it
+from service.envs.remote.config import RemoteEnvConfig
+from service.envs.remote.opener import RemoteEnvs
+sys.stderr = captured
+
+async def main():
+    config = RemoteEnvConfig.model_validate({mcp_config(command=STDIO)!r})
+    envs = RemoteEnvs([config], local=None)
+    try:
+        session = await envs.open({MCP_ENV!r}, "train", "e")
+        await session.reset(0)
+        print(sorted(tool["function"]["name"] for tool in session.tools))
+        await session.close()
+    finally:
+        await envs.close()
+
+asyncio.run(main())
+"""
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "'write'" in done.stdout, done.stdout
 
 
 async def test_mcp_streamable_http_pool_places_calls_and_fails_a_dead_server_as_infrastructure() -> None:

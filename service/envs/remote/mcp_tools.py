@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from typing import Any, Protocol
 
 from mcp import Client
-from mcp.client.stdio import StdioServerParameters
+from mcp.client import Transport
+from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
 from service.envs.checks import check_reset
@@ -61,9 +63,14 @@ class McpEnv:
         self.pool = ServerPool.of(config, servers, self._health_check, metrics)
         self.sessions: set[McpSession] = set()  # open now: shutdown closes them
 
-    def _target(self, server: Server) -> str | StdioServerParameters:
+    def _target(self, server: Server) -> str | Transport:
         if self.config.command:
-            return StdioServerParameters(command=self.config.command[0], args=self.config.command[1:])
+            # The command's stderr is this process's stderr as it is now: the SDK's own default is
+            # the sys.stderr of when mcp was first imported (a default argument), which fails every
+            # launch (UnsupportedOperation: fileno) where that was a stream of no file, as a test's
+            # captured output.
+            command = StdioServerParameters(command=self.config.command[0], args=self.config.command[1:])
+            return stdio_client(command, errlog=sys.stderr)
         return server.url
 
     async def _health_check(self, url: str) -> None:
@@ -113,7 +120,7 @@ class McpConnection:
     first out; an episode's task (or shutdown's) opens and closes sessions in any order, and one
     closed out of order cancelled the closing task and tore down the other session's transport."""
 
-    def __init__(self, target: str | StdioServerParameters, call_timeout_seconds: float) -> None:
+    def __init__(self, target: str | Transport, call_timeout_seconds: float) -> None:
         self.target = target
         self.call_timeout_seconds = call_timeout_seconds
         self.client: Client | None = None

@@ -174,7 +174,7 @@ async def test_a_failed_entry_points_envs_are_422_naming_its_error(
     (info / "entry_points.txt").write_text("[rollout_service.envs]\ngone = gone_envs:env_specs\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     app = create_app(service_settings(database_url, "http://127.0.0.1:9", run_worker=False))
-    async with serve_app(app) as url, httpx.AsyncClient(base_url=url) as http:
+    async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
         response = await http.post("/episodes", json=submission("gone/desk", "train", [0]))
     assert response.status_code == 422
     assert "No module named 'gone_envs'" in response.text

@@ -306,7 +306,7 @@ async def test_project_keys_alone_still_close_the_service(
 ) -> None:
     """API_PROJECTS without API_KEYS: no admin key, and no request without a key either."""
     settings = service_settings(database_url, sim[1], api_keys="", api_projects=json.dumps(PROJECTS))
-    async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url) as http:
+    async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
         for path in ("/batches", "/groups", "/access", "/engine/workers"):
             assert (await http.get(path)).status_code == 401, path
         assert (await http.get("/access", headers=A)).json()["project"] == "team-a"

@@ -82,7 +82,7 @@ def tokenizer() -> Iterator[Any]:
 
 
 async def stored_episode(url: str, episode_id: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=url) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         response = await http.get(f"/episodes/{episode_id}")
     assert response.status_code == 200, response.text
     episode: dict[str, Any] = response.json()

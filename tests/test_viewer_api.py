@@ -20,7 +20,7 @@ SQLITE_ONLY = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 
 
 async def hold_generation(sim_url: str) -> None:
-    async with httpx.AsyncClient(base_url=sim_url) as http:
+    async with httpx.AsyncClient(base_url=sim_url, timeout=60) as http:
         assert (await http.post("/pause_generation", json={"mode": "in_place"})).status_code == 200
 
 

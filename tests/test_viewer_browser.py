@@ -161,7 +161,7 @@ async def test_big_batches_page_and_a_long_episode_shows_every_token(
     assert await page.locator(".group-row").first.locator("td").first.inner_text() == "50"
     await screenshot(page, "batch-2000")
 
-    async with httpx.AsyncClient(base_url=api_only) as http:
+    async with httpx.AsyncClient(base_url=api_only, timeout=60) as http:
         episode = (await http.get(f"/episodes/{long_id}")).json()
     await page.goto(f"{api_only}/ui/#/episodes/{long_id}?tab=tokens")
     await page.locator("#tokens[data-render-ms]").wait_for()
@@ -190,7 +190,7 @@ async def test_equal_rewards_and_an_engine_that_is_down_read_plainly(
 
     # A batch whose episodes wait for an engine that does not answer (this service's engine URL
     # refuses connections) says so on its page.
-    async with httpx.AsyncClient(base_url=api_only) as http:
+    async with httpx.AsyncClient(base_url=api_only, timeout=60) as http:
         body = submission(batch_id="waiting", task_indices=[0], samples_per_task=2)
         assert (await http.post("/episodes", json=body)).status_code == 202
     await page.goto(f"{api_only}/ui/#/batches/waiting")

@@ -30,8 +30,11 @@ from tests.support.tokenizer import chat_tokenizer
 
 
 @dataclass
-class HangsOnSecondTurn(FixedReplies):
-    """Plays its first reply, then never answers (an overloaded engine)."""
+class HangsFromTurn(FixedReplies):
+    """Plays its replies up to turn `hangs_at`, then takes every call and never answers (an
+    overloaded engine)."""
+
+    hangs_at: int = 1
 
     async def generate(
         self,
@@ -41,7 +44,7 @@ class HangsOnSecondTurn(FixedReplies):
         *,
         input_ids_json: str | None = None,
     ) -> Generation:
-        if self.rids:
+        if len(self.rids) >= self.hangs_at:
             self.rids.append(rid)
             await asyncio.Event().wait()
         return await super().generate(input_ids, sampling_params, rid, input_ids_json=input_ids_json)
@@ -50,7 +53,7 @@ class HangsOnSecondTurn(FixedReplies):
 async def test_the_runner_ends_an_episode_at_its_deadline() -> None:
     host = EnvHost(workers=1, executor="thread", envs=TEST_ENVS)
     try:
-        engine = HangsOnSecondTurn([tool_call("whoami"), "never"])
+        engine = HangsFromTurn([tool_call("whoami"), "never"], hangs_at=1)
         runner = EpisodeRunner(engine, host, chat_tokenizer(), get_parser("qwen25"))
         request = EpisodeRequest(
             "test/probe", "train", 3, {"max_new_tokens": 64}, 5, episode_timeout_seconds=0.5
@@ -66,29 +69,12 @@ async def test_the_runner_ends_an_episode_at_its_deadline() -> None:
     assert result.tokens.response_ids[-len(chat_tokenizer().close_ids) :] != []
 
 
-@dataclass
-class NeverAnswers(FixedReplies):
-    """Takes every call and never answers (an engine that stalled)."""
-
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling_params: dict[str, Any],
-        rid: str,
-        *,
-        input_ids_json: str | None = None,
-    ) -> Generation:
-        self.rids.append(rid)
-        await asyncio.Event().wait()
-        raise AssertionError("never answers")
-
-
 async def test_a_deadline_before_the_first_turn_fails_the_episode_as_no_sample() -> None:
     """Truncated with reward 0 and no sampled token, the episode would reach trainers as a sample
     the model never played: it fails (no reward) and is re-run within the attempt budget."""
     host = EnvHost(workers=1, executor="thread", envs=TEST_ENVS)
     try:
-        engine = NeverAnswers([])
+        engine = HangsFromTurn([], hangs_at=0)
         runner = EpisodeRunner(engine, host, chat_tokenizer(), get_parser("qwen25"))
         request = EpisodeRequest(
             "test/probe", "train", 3, {"max_new_tokens": 64}, 5, episode_timeout_seconds=0.3

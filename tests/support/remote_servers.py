@@ -18,6 +18,9 @@ import httpx
 from tests.support.ports import free_port
 
 START_TIMEOUT_SECONDS = 600.0  # a loaded shared machine imports openenv-core (gradio too) slowly
+# A killed server reaped: 10 s was outrun in CI (TimeoutExpired at a module's teardown, load 6-10), which
+# also left the pair's other server running (a ResourceWarning failing the next test on that worker).
+KILL_WAIT_SECONDS = 60.0
 OPENENV_SERVER = [
     sys.executable,
     str(Path(__file__).resolve().parents[2] / "examples/openenv_counter/server.py"),
@@ -41,7 +44,7 @@ class EnvServer:
 
     def kill(self) -> None:
         self.process.kill()
-        self.process.wait(10)
+        self.process.wait(KILL_WAIT_SECONDS)
 
 
 def launch_server(
@@ -84,9 +87,11 @@ def listening(servers: list[EnvServer], health: str = "/health") -> Iterator[lis
             wait_listening(server, health)
         yield servers
     finally:
-        for server in servers:
+        for server in servers:  # all killed before any is waited for: none left running if one is slow
             if server.process.poll() is None:
-                server.kill()
+                server.process.kill()
+        for server in servers:
+            server.process.wait(KILL_WAIT_SECONDS)
 
 
 def env_servers(

@@ -47,13 +47,13 @@ class RouterSetup:
 
 
 def wait_ready(router_url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    """Until the router is healthy and lists both workers; skips if the binary cannot run here."""
+    """Until the router is healthy and lists both workers."""
     deadline = time.monotonic() + ROUTER_START_TIMEOUT_SECONDS
     with httpx.Client(timeout=2.0) as http:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 tail = log.read_text(errors="replace")[-2000:]
-                pytest.skip(f"sglang-router exited with {process.returncode} on this machine: {tail}")
+                raise AssertionError(f"sglang-router exited with {process.returncode}: {tail}")
             try:
                 if http.get(f"{router_url}/health").status_code == 200:
                     listed = http.get(f"{router_url}/workers").json().get("workers", [])
@@ -75,6 +75,10 @@ def router(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RouterSet
         log = tmp_path / "router.log"
         command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls]
         command += ["--host", "127.0.0.1", "--port", router_url.rsplit(":", 1)[1], "--policy", policy]
+        # Its metrics exporter listens on port 29000 unless told: a second router on the machine (a
+        # test on another xdist worker) panicked at start with "Address already in use", and the
+        # test skipped as if the router could not run here.
+        command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         if policy == "manual":  # a new key goes to the worker with the fewest keys
             command += ["--assignment-mode", "min_group"]
         with log.open("wb") as output:

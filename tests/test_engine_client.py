@@ -452,10 +452,11 @@ async def test_the_transport_times_out_aborts_and_retries_under_a_new_rid(
     assert {"rid": "slow:0:0", "abort_all": False} in worker.aborts
 
 
-async def test_a_health_probe_on_a_kept_alive_connection_closed_under_it_is_sent_again() -> None:
-    """The engine's server closes a kept-alive connection just as the probe goes out on it (its idle
-    timeout, or a client whose event loop stalled past its own expiry): the probe, idempotent, is
-    sent once more on a new connection, and a live engine is not reported unreachable (/ready)."""
+async def test_a_read_on_a_kept_alive_connection_closed_under_it_is_sent_again() -> None:
+    """The engine's server closes a kept-alive connection just as a request goes out on it (its idle
+    timeout, or a client whose event loop stalled past its own expiry): the control client sends a
+    GET (a health probe, the router's workers), idempotent, once more on a new connection, and a
+    live engine is not reported unreachable (/ready); a POST (a pause) is sent once."""
     requests: list[int] = []  # per request: the connection it came on
     writers: list[asyncio.StreamWriter] = []
 
@@ -478,7 +479,10 @@ async def test_a_health_probe_on_a_kept_alive_connection_closed_under_it_is_sent
             assert await client.health()
             assert await client.health()  # sent on the kept connection, dropped, sent again
             assert await client._health_problem() is None
-        assert requests == [1, 1, 2, 2, 3]
+            assert await client.workers() == [url]  # GET /workers answered 200 "ok": not a router
+            with pytest.raises(httpx.RemoteProtocolError):
+                await http.post(f"{url}/pause")
+        assert requests == [1, 1, 2, 2, 3, 3, 4, 4]
     finally:
         for writer in writers:
             writer.close()

@@ -75,14 +75,37 @@ class AbortQuiet:
 
 
 def make_control_client(timeout_seconds: float) -> httpx.AsyncClient:
-    """The client of the engine's own questions (the router's workers, health): off the hot path.
-    Its idle connections close before the engine's uvicorn closes them (KEEPALIVE_SECONDS)."""
+    """The client of the engine's own questions (the router's workers, health, pauses): off the hot
+    path. Its idle connections close before the engine's uvicorn closes them (KEEPALIVE_SECONDS)."""
     limits = httpx.Limits(
         max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_SECONDS
     )
     return httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout_seconds, connect=CONNECT_TIMEOUT_SECONDS), limits=limits
+        timeout=httpx.Timeout(timeout_seconds, connect=CONNECT_TIMEOUT_SECONDS),
+        transport=_ResendsUnansweredReads(httpx.AsyncHTTPTransport(limits=limits)),
     )
+
+
+class _ResendsUnansweredReads(httpx.AsyncBaseTransport):
+    """Sends a GET or HEAD once more where the kept-alive connection it went out on was closed
+    under it without an answer (nothing was processed, and the request is idempotent): the engine's
+    uvicorn closes idle connections, and a client whose event loop stalled past its own shorter
+    expiry (KEEPALIVE_SECONDS) can still pick one up as it closes. /ready answered 503 for a live
+    engine so (schemathesis, load 25). Anything else, a pause or an abort, is sent once."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport) -> None:
+        self._transport = transport
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self._transport.handle_async_request(request)
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            if request.method not in ("GET", "HEAD"):
+                raise
+            return await self._transport.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
 
 
 class EngineError(Exception):
@@ -689,7 +712,7 @@ class SGLangClient:
     async def _health_problem(self) -> str | None:
         """None if the engine's /health answers (a 4xx too: an engine without that route), else why not."""
         try:
-            response = await self._get_health(PROBE_TIMEOUT_SECONDS)
+            response = await self._http.get(f"{self.base_url}/health", timeout=PROBE_TIMEOUT_SECONDS)
         except httpx.TransportError as error:
             return f"{type(error).__name__}: {error}".rstrip(": ")
         if response.status_code >= 500:
@@ -698,21 +721,10 @@ class SGLangClient:
 
     async def health(self) -> bool:
         try:
-            response = await self._get_health(CONTROL_TIMEOUT_SECONDS)
+            response = await self._http.get(f"{self.base_url}/health", timeout=CONTROL_TIMEOUT_SECONDS)
         except httpx.TransportError:
             return False
         return response.status_code == 200
-
-    async def _get_health(self, timeout_seconds: float) -> httpx.Response:
-        """GET /health, sent once more on a new connection where the kept-alive one it went out on
-        was closed under it without an answer: the engine's uvicorn closes idle connections, and a
-        client whose event loop stalled past its own shorter expiry (KEEPALIVE_SECONDS) can still
-        pick one up as it closes. /ready answered 503 for a live engine so (schemathesis, load 25)."""
-        url = f"{self.base_url}/health"
-        try:
-            return await self._http.get(url, timeout=timeout_seconds)
-        except (httpx.RemoteProtocolError, httpx.ReadError):  # closed before any answer: idempotent
-            return await self._http.get(url, timeout=timeout_seconds)
 
 
 def _worker_list(body: Any) -> list[str]:

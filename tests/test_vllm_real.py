@@ -31,16 +31,16 @@ from service.serving import serve_app
 from tests.conftest import one_shop_episode, service_settings
 from tests.support.agents import QUESTION, SYSTEM, TOOLS, finish, open_episodes
 from tests.support.tokenizer import chat_tokenizer
-from tests.support.vllm_server import MAX_MODEL_LEN, VLLMServer, vllm_server
+from tests.support.vllm_server import MAX_MODEL_LEN, PACED_SEED, VLLMServer, vllm_server
 
 LOGPROB_TOLERANCE = 1e-4  # absolute, per token
 PAUSES = 3  # keep mode: pause-resume cycles while the turn generates
 ABORT_TRIES = 3
 PAUSE_SECONDS = 0.25
-# A turn the pauses find generating (the test freezes the engine on its first tokens): long enough
-# that the engine cannot finish it between seeing its first token and freezing (about 1 s of
-# sampling on a quiet machine), short for a loaded one (where the engine samples a few tokens a second).
-PAUSED_TURN_TOKENS = 2000
+# A turn the pauses find generating (the test freezes the engine on its first tokens), paced by the
+# engine (PACED_SEED: at least 6 s) so that it cannot end before the test has seen its first token
+# and frozen the engine, however far vLLM's API server lags the engine on a loaded machine.
+PAUSED_TURN_TOKENS = 600
 PAUSE_TRIES = 3
 SAMPLING_WAIT_SECONDS = 240.0  # for the engine to read a prompt and sample a token, on a loaded machine
 FIRST_TOKEN = "vllm:time_to_first_token_seconds_count"  # one more per request that sampled its first
@@ -312,12 +312,12 @@ async def test_an_abort_mid_generation_answers_what_was_sampled_and_loses_nothin
 ) -> None:
     """As long a generation as the context allows, aborted by its id while it generates. As the
     pause test does, the test freezes the engine before the call arrives and releases it until the
-    call sampled its first token, so that the abort finds it in flight; where the engine ran the
-    whole generation before the freeze (a loaded machine: vLLM's API server, which counts the
-    tokens, lags its engine), another call tries again, up to ABORT_TRIES times: never a skip."""
+    call sampled its first token, so that the abort finds it in flight; the engine paces the call
+    (PACED_SEED). Where the engine ran the whole generation before the freeze anyway, another call
+    tries again, up to ABORT_TRIES times: never a skip."""
     # One token short of the context: engine_scoring asks for one more token after it.
     longest = MAX_MODEL_LEN - len(PROMPT) - 1
-    params = {"max_new_tokens": longest, "ignore_eos": True} | SAMPLING
+    params = {"max_new_tokens": longest, "ignore_eos": True, "sampling_seed": PACED_SEED} | SAMPLING
     held: list[float] = []  # the engine's count of tokens at each freeze
     for attempt in range(ABORT_TRIES):
         prefix = f"abort{attempt}:0:"
@@ -404,7 +404,9 @@ async def paused_turn(
     submitted = await client.post(
         "/episodes",
         json=one_shop_episode(
-            {"max_new_tokens": PAUSED_TURN_TOKENS, "ignore_eos": True} | SAMPLING, max_turns=1
+            {"max_new_tokens": PAUSED_TURN_TOKENS, "ignore_eos": True, "sampling_seed": PACED_SEED}
+            | SAMPLING,
+            max_turns=1,
         ),
     )
     assert submitted.status_code == 202, submitted.text
@@ -442,16 +444,17 @@ async def test_a_pause_during_a_turn_loses_nothing_and_samples_nothing_twice(
     sampled), and every logprob is the engine's scoring of the stored sequence.
 
     The pause must find the turn's call generating, on a quiet machine (the tiny model samples
-    about 2,000 tokens a second) as on a loaded one (a few tokens a second, its prompt read in
-    seconds). So the test freezes the engine (vLLM's own keep pause: a request that arrives is taken
-    but not scheduled) before the call arrives, then releases it until the call sampled its first
-    token (vLLM's time-to-first-token count, on its /metrics) and freezes it again: the service's
-    pause finds the call in flight, holding a few tokens, however late it comes. Its abort aborts
-    the frozen call (it answers what it sampled) and its continue resumes the engine; a keep pause
-    holds it and the continue lets it finish. Where the engine finished the turn before the
-    freeze, another episode tries again, up to PAUSE_TRIES times: never a skip (seen here: the
-    first freeze after 2 to 1,192 of the 2,000 tokens in 24 runs at a load average of 10-15; once
-    after all 1,000 of a shorter turn's in 20 runs, polled on the test's event loop)."""
+    about 2,000 tokens a second) as on a loaded one (its prompt read in seconds). So the test
+    freezes the engine (vLLM's own keep pause: a request that arrives is taken but not scheduled)
+    before the call arrives, then releases it until the call sampled its first token (vLLM's
+    time-to-first-token count, on its /metrics) and freezes it again: the service's pause finds the
+    call in flight, holding a few tokens, however late it comes. Its abort aborts the frozen call
+    (it answers what it sampled) and its continue resumes the engine; a keep pause holds it and the
+    continue lets it finish. The engine paces the call (PACED_SEED, one token per 10 ms at most):
+    unpaced, CI saw all three tries sampled whole before the freeze (2,000 or 4,000 tokens), the
+    API server's /metrics having lagged its engine by all of them on a loaded machine. Where the
+    engine finished the turn before the freeze anyway, another episode tries again, up to
+    PAUSE_TRIES times: never a skip."""
     settings = service_settings(database_url, vllm.url, engine="vllm", engine_abort_quiet_seconds=0.05)
     fresh = httpx.Limits(max_keepalive_connections=0)  # uvicorn closes idle ones: no race with it
     async with (

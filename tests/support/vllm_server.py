@@ -24,6 +24,9 @@ ENSURE_TIMEOUT_SECONDS = 1800.0  # a first build downloads about 1 GB
 # 0.5 s with this.
 KV_CACHE_BYTES = "128M"
 MAX_MODEL_LEN = 8192  # the context test fills it with a prompt of 8,100 tokens
+# A call seeded with PACED_SEED samples at most one token each PACE_SECONDS (tests/support/vllm_pacing.py).
+PACED_SEED = 20_291
+PACE_SECONDS = 0.01
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ def ensure_vllm() -> tuple[str, str]:
 def vllm_server(log_path: Path) -> Iterator[VLLMServer]:
     """`python -m vllm.entrypoints.openai.api_server` with the generate and abort routes
     (--enable-scale-out), the pause routes (VLLM_SERVER_DEV_MODE=1), float32 weights (so that its
-    own scoring is a tight check) and the logprobs of the distribution it samples from."""
+    own scoring is a tight check), the logprobs of the distribution it samples from, and the pacing
+    of calls seeded with PACED_SEED."""
     python, model = ensure_vllm()
     port = free_port()
     env = os.environ | {
@@ -62,6 +66,9 @@ def vllm_server(log_path: Path) -> Iterator[VLLMServer]:
         # disconnected without sending a response", the keep-mode pause test). Longer than any pause
         # between a test's calls; the service's own control client drops idle ones after 4 s.
         "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",
+        "PYTHONPATH": str(Path(__file__).parent),  # vllm_pacing, alone: vLLM's venv has nothing of ours
+        "ROLLOUT_TEST_PACED_SEED": str(PACED_SEED),
+        "ROLLOUT_TEST_PACE_SECONDS": str(PACE_SECONDS),
     }
     command = [
         python, "-m", "vllm.entrypoints.openai.api_server",
@@ -69,7 +76,7 @@ def vllm_server(log_path: Path) -> Iterator[VLLMServer]:
         "--host", "127.0.0.1", "--port", str(port),
         "--enable-scale-out", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
         "--logprobs-mode", "processed_logprobs", "--enable-log-requests",
-        "--kv-cache-memory-bytes", KV_CACHE_BYTES,
+        "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--logits-processors", "vllm_pacing:Pacer",
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:

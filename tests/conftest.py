@@ -291,8 +291,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _scope(item: pytest.Item) -> str:
     """What xdist's loadgroup sends to one worker: the test's group, else the test alone."""
-    mark = item.get_closest_marker("xdist_group")
-    return str(mark.args[0]) if mark and mark.args else item.nodeid
+    return _xdist_group(item) or item.nodeid
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    """The test's group as xdist's worker names it (xdist/remote.py, 3.8): every `xdist_group`
+    mark's name, sorted and joined."""
+    names = {
+        str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+        for mark in item.iter_markers("xdist_group")
+    }
+    return "_".join(sorted(names)) or None
 
 
 class _GroupInNodeId:
@@ -305,10 +314,9 @@ class _GroupInNodeId:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         for item in items:
-            groups = sorted({str(mark.args[0]) for mark in item.iter_markers("xdist_group") if mark.args})
-            suffix = f"@{'_'.join(groups)}"
-            if groups and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
-                item._id = NodeId.parse(item.nodeid + suffix)
+            group = _xdist_group(item)
+            if group and not item.nodeid.endswith(f"@{group}") and hasattr(item, "_id"):
+                item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 class _RerunTracebacks:

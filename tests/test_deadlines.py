@@ -18,7 +18,7 @@ from service.engine.client import Generation
 from service.envs.host import EnvHost
 from service.loop.runner import EpisodeRunner
 from service.loop.toolcalls import get_parser
-from service.records import EpisodeRequest, EpisodeSpec, EpisodeStatus
+from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.serving import serve_app
 from service.sim.policy import SimConfig
 from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
@@ -50,17 +50,22 @@ class HangsFromTurn(FixedReplies):
         return await super().generate(input_ids, sampling_params, rid, input_ids_json=input_ids_json)
 
 
-async def test_the_runner_ends_an_episode_at_its_deadline() -> None:
+async def run_until_deadline(engine: HangsFromTurn, timeout_seconds: float) -> EpisodeResult:
+    """One episode of test/probe on `engine`, run by the runner with that deadline."""
     host = EnvHost(workers=1, executor="thread", envs=TEST_ENVS)
     try:
-        engine = HangsFromTurn([tool_call("whoami"), "never"], hangs_at=1)
         runner = EpisodeRunner(engine, host, chat_tokenizer(), get_parser("qwen25"))
         request = EpisodeRequest(
-            "test/probe", "train", 3, {"max_new_tokens": 64}, 5, episode_timeout_seconds=0.5
+            "test/probe", "train", 3, {"max_new_tokens": 64}, 5, episode_timeout_seconds=timeout_seconds
         )
-        result = await asyncio.wait_for(runner.run(EpisodeSpec("ep", 2, request)), 10)
+        return await asyncio.wait_for(runner.run(EpisodeSpec("ep", 2, request)), 10)
     finally:
         await host.close()
+
+
+async def test_the_runner_ends_an_episode_at_its_deadline() -> None:
+    engine = HangsFromTurn([tool_call("whoami"), "never"], hangs_at=1)
+    result = await run_until_deadline(engine, 0.5)
     assert result.status is EpisodeStatus.TRUNCATED
     assert result.error is not None and result.error.startswith("deadline: still running after 0.5 s")
     assert result.reward == 0.0  # the env's after its one step
@@ -72,16 +77,8 @@ async def test_the_runner_ends_an_episode_at_its_deadline() -> None:
 async def test_a_deadline_before_the_first_turn_fails_the_episode_as_no_sample() -> None:
     """Truncated with reward 0 and no sampled token, the episode would reach trainers as a sample
     the model never played: it fails (no reward) and is re-run within the attempt budget."""
-    host = EnvHost(workers=1, executor="thread", envs=TEST_ENVS)
-    try:
-        engine = HangsFromTurn([], hangs_at=0)
-        runner = EpisodeRunner(engine, host, chat_tokenizer(), get_parser("qwen25"))
-        request = EpisodeRequest(
-            "test/probe", "train", 3, {"max_new_tokens": 64}, 5, episode_timeout_seconds=0.3
-        )
-        result = await asyncio.wait_for(runner.run(EpisodeSpec("ep", 2, request)), 10)
-    finally:
-        await host.close()
+    engine = HangsFromTurn([], hangs_at=0)
+    result = await run_until_deadline(engine, 0.3)
     assert (result.status, result.reward, result.retryable) == (EpisodeStatus.FAILED, None, True)
     assert result.error == "deadline: still running after 0.3 s (step), before its first turn"
     assert result.turns == [] and engine.rids == ["ep:2:0"] and engine.aborted == ["ep:2:"]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -346,28 +347,40 @@ async def test_the_control_client_drops_idle_connections_before_the_engine_does(
     """SGLang's uvicorn closes a connection idle 5 s: a health probe or a /workers listing sent on
     one as it closes would fail. Past KEEPALIVE_SECONDS idle the control client connects anew."""
     peers: list[int] = []
-    writers: list[asyncio.StreamWriter] = []
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peers.append(writer.get_extra_info("peername")[1])
-        writers.append(writer)
         with contextlib.suppress(asyncio.IncompleteReadError):  # the client closed it
             while await reader.readuntil(b"\r\n\r\n"):
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
         writer.close()
 
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with raw_http_server(answer) as url, make_control_client(5.0) as http:
+        assert (await http.get(f"{url}/health")).status_code == 200
+        assert (await http.get(f"{url}/health")).status_code == 200
+        assert len(peers) == 1  # kept alive while fresh
+        await asyncio.sleep(KEEPALIVE_SECONDS + 0.3)
+        assert (await http.get(f"{url}/health")).status_code == 200
+    assert len(peers) == 2 and KEEPALIVE_SECONDS < 5.0
+
+
+@contextlib.asynccontextmanager
+async def raw_http_server(
+    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """A bare asyncio server on loopback whose connections `handle` answers, by its URL. The
+    server's side of each connection is closed on the way out, not collected in a later test."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await handle(reader, writer)
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
     try:
-        async with make_control_client(5.0) as http:
-            assert (await http.get(f"{url}/health")).status_code == 200
-            assert (await http.get(f"{url}/health")).status_code == 200
-            assert len(peers) == 1  # kept alive while fresh
-            await asyncio.sleep(KEEPALIVE_SECONDS + 0.3)
-            assert (await http.get(f"{url}/health")).status_code == 200
-        assert len(peers) == 2 and KEEPALIVE_SECONDS < 5.0
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
-        for writer in writers:  # the server's side of each: closed now, not collected in a later test
+        for writer in writers:
             writer.close()
         server.close()
         await server.wait_closed()
@@ -458,11 +471,10 @@ async def test_a_read_on_a_kept_alive_connection_closed_under_it_is_sent_again()
     GET (a health probe, the router's workers), idempotent, once more on a new connection, and a
     live engine is not reported unreachable (/ready); a POST (a pause) is sent once."""
     requests: list[int] = []  # per request: the connection it came on
-    writers: list[asyncio.StreamWriter] = []
+    connections = itertools.count(1)
 
     async def answer_once_then_drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writers.append(writer)
-        connection = len(writers)
+        connection = next(connections)
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while await reader.readuntil(b"\r\n\r\n"):
                 requests.append(connection)
@@ -471,19 +483,12 @@ async def test_a_read_on_a_kept_alive_connection_closed_under_it_is_sent_again()
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
         writer.close()
 
-    server = await asyncio.start_server(answer_once_then_drop, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    try:
-        async with make_control_client(5.0) as http:
-            client = make_client(http, url)
-            assert await client.health()
-            assert await client.health()  # sent on the kept connection, dropped, sent again
-            assert await client._health_problem() is None
-            assert await client.workers() == [url]  # GET /workers answered 200 "ok": not a router
-            with pytest.raises(httpx.RemoteProtocolError):
-                await http.post(f"{url}/pause")
-        assert requests == [1, 1, 2, 2, 3, 3, 4, 4]
-    finally:
-        for writer in writers:
-            writer.close()
-        server.close()
+    async with raw_http_server(answer_once_then_drop) as url, make_control_client(5.0) as http:
+        client = make_client(http, url)
+        assert await client.health()
+        assert await client.health()  # sent on the kept connection, dropped, sent again
+        assert await client._health_problem() is None
+        assert await client.workers() == [url]  # GET /workers answered 200 "ok": not a router
+        with pytest.raises(httpx.RemoteProtocolError):
+            await http.post(f"{url}/pause")
+    assert requests == [1, 1, 2, 2, 3, 3, 4, 4]

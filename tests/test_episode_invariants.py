@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.api.token_calls import token_version_codes
@@ -254,7 +254,7 @@ def check_invariants(result: EpisodeResult, engine: RecordingEngine) -> None:
 
 
 @pytest.mark.parametrize("variant_name", CHAT_VARIANTS)
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100)
 @given(
     system=text,
     first=text,

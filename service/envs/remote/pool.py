@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt
 
 from service.envs.remote.errors import EnvServerDown
+from service.retries import backoff
 
 if TYPE_CHECKING:
     from service.envs.remote.config import RemoteEnvConfig
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 CALL_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 T = TypeVar("T")
 HEALTH_FAILURES = 3  # health checks failed in a row before a server leaves placement
+PLACEMENT_BACKOFF_MAX_SECONDS = 5.0  # the longest wait between two tries of a placement
 ERROR_KINDS = ("connect", "timeout", "closed", "capacity", "server")
 
 
@@ -268,31 +271,35 @@ class ServerPool:
         self, attempt: Callable[[Server], Awaitable[T]], *, retries: int, backoff_seconds: float
     ) -> T:
         """`attempt(server)` on a slot of the least-loaded healthy server, tried `retries + 1` times
-        at most, each on a server not tried yet while there is one, with full jitter between. The
-        slot stays held once an attempt returns. An attempt that raises EnvServerDown (made by
-        errors.server_failure: the call did not take effect) frees its slot, counts as a failure
-        of its kind on the server, and is tried again; any other exception frees the slot and ends
-        the placement. EnvServerDown once every try failed."""
+        at most, each on a server not tried yet while there is one, waiting the service's backoff
+        between (from `backoff_seconds`). The slot stays held once an attempt returns. An attempt
+        that raises EnvServerDown (made by errors.server_failure: the call did not take effect)
+        frees its slot, counts as a failure of its kind on the server, and is tried again; any
+        other exception frees the slot and ends the placement. EnvServerDown once every try failed."""
         tried: set[str] = set()
-        last = "no server tried"
-        for number in range(retries + 1):
-            if number:
-                await backoff(number - 1, backoff_seconds)
-            server = await self.acquire(frozenset(tried))
-            try:
-                return await attempt(server)
-            except EnvServerDown as failure:
-                await self.release(server)
-                self.failed(server, failure.kind, failure.how)
-                tried.add(server.url)
-                last = str(failure)
-            except BaseException:
-                await self.release(server)
-                raise
-        raise EnvServerDown(
-            f"no server of {self.env!r} took the episode after {retries + 1} tries; "
-            f"last: {last}; {self.describe()}"
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(retries + 1),
+            wait=backoff(backoff_seconds, PLACEMENT_BACKOFF_MAX_SECONDS),
+            retry=retry_if_exception_type(EnvServerDown),
         )
+        try:
+            async for trying in retrying:
+                with trying:
+                    server = await self.acquire(frozenset(tried))
+                    try:
+                        return await attempt(server)
+                    except BaseException as error:
+                        await self.release(server)
+                        if isinstance(error, EnvServerDown):
+                            self.failed(server, error.kind, error.how)
+                            tried.add(server.url)
+                        raise
+        except RetryError as failed:
+            raise EnvServerDown(
+                f"no server of {self.env!r} took the episode after {retries + 1} tries; "
+                f"last: {failed.last_attempt.exception()}; {self.describe()}"
+            ) from None
+        raise AssertionError("unreachable: the retrying returns the attempt's result or raises")
 
     # ---- Health checks. ----
 
@@ -331,8 +338,3 @@ class ServerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._checker
             self._checker = None
-
-
-async def backoff(attempt: int, base_seconds: float) -> None:
-    """Full jitter: a random wait up to base * 2**attempt, so that retries spread out."""
-    await asyncio.sleep(random.uniform(0, base_seconds * 2**attempt))

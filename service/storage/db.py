@@ -18,6 +18,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from service.storage.sqlite_driver import one_trip_dbapi
 from service.storage.writer import Writer
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -111,7 +112,7 @@ def make_engine(
     one process or many never see the same queued row. The pool sizes apply to PostgreSQL only.
     """
     if is_sqlite(url):
-        engine = create_async_engine(url, echo=echo)
+        engine = create_async_engine(url, echo=echo, module=one_trip_dbapi())
         _make_sqlite_transactional(engine, foreign_keys=True)
         return engine
     return create_async_engine(

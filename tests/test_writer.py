@@ -7,7 +7,7 @@ import asyncio
 import uuid
 
 import pytest
-from sqlalchemy import event, func, select, text, update
+from sqlalchemy import bindparam, event, func, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from service.records import EpisodeRequest
@@ -166,3 +166,42 @@ async def test_a_block_cut_off_mid_statement_loses_its_group_and_only_it(db: Dat
     finally:
         await writer.aclose()
     assert await batches_stored(db) == 1
+
+
+async def test_a_one_statement_block_returns_its_rows_and_fails_alone_or_with_its_group(db: Database) -> None:
+    """Writer.execute: the statement's rows once committed. A statement that fails raises its
+    error to its caller; on SQLite it rolls back alone (no savepoint: SQLite's statement journal)
+    and its group commits; on PostgreSQL, which aborts the transaction, its group is lost: the
+    blocks already in it get a retryable error, nothing of them committed, and later ones a new
+    group that commits."""
+    writer = Writer(db.sessionmaker, window_seconds=0.5)  # the blocks below share one group
+    batch, taken = new_batch(), new_batch()
+    try:
+        async with writer.begin() as session:
+            await enqueue_batch(session, batch)
+            await enqueue_batch(session, taken)
+        rename = update(Batch).where(Batch.id == bindparam("batch")).values(env=bindparam("env"))
+
+        async def renamed(batch_id: str) -> list[str]:
+            rows = await writer.execute(rename.returning(Batch.id), {"batch": batch_id, "env": "renamed"})
+            return [row.id for row in rows]
+
+        async def duplicate() -> None:  # the primary key of another batch
+            await writer.execute(rename.values(id=taken.batch_id), {"batch": batch.batch_id, "env": "x"})
+
+        outcomes = await asyncio.gather(
+            renamed(batch.batch_id), duplicate(), renamed("no-such-batch"), renamed(taken.batch_id),
+            return_exceptions=True,
+        )  # fmt: skip
+    finally:
+        await writer.aclose()
+    assert isinstance(outcomes[1], IntegrityError)
+    assert outcomes[2] == [] and outcomes[3] == [taken.batch_id]
+    async with db.reader() as session:
+        envs = {row.id: row.env for row in await session.execute(select(Batch.id, Batch.env))}
+    if db.url.startswith("sqlite"):
+        assert outcomes[0] == [batch.batch_id]
+        assert envs == {batch.batch_id: "renamed", taken.batch_id: "renamed"}
+    else:
+        assert isinstance(outcomes[0], OperationalError) and "nothing was committed" in str(outcomes[0])
+        assert envs == {batch.batch_id: "builtin/shop", taken.batch_id: "renamed"}

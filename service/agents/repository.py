@@ -233,13 +233,14 @@ async def store_call(
         "segments": episode.segments,
         "idle_until": utcnow() + timedelta(seconds=idle_seconds),
     }
-    async with database.writer.begin() as session:
-        stored = await session.execute(
-            _STORE_CALL, params | {f"new_{name}": value for name, value in columns.items()}
-        )
-        if stored.first() is None:
+    params |= {f"new_{name}": value for name, value in columns.items()}
+    if closed is None:
+        if not await database.writer.execute(_STORE_CALL, params):
             return None
-        if closed is not None:
+    else:
+        async with database.writer.begin() as session:
+            if (await session.execute(_STORE_CALL, params)).first() is None:
+                return None
             session.add(
                 EpisodeSegment(
                     episode_id=episode.episode_id, segment=episode.segments - 2, **_segment_columns(closed)
@@ -263,45 +264,72 @@ async def closed_segments(database: Database, episode_id: str) -> list[tuple[lis
 UNPLAYED = "finished before its first call: an episode the model never played is no sample"
 
 
-def _finish_statements() -> tuple[Select[Any], Update]:
-    """The finish's read of what it needs (locked: no call stores meanwhile) and its write, built
-    once, on the table rather than the ORM entity: an ORM row would load and decode the whole
-    episode (its token blobs, messages and turns) into the writer's shared session, whose every
-    later statement of the group would then autoflush over it (measured: a fifth of the service's
-    CPU per call of agent-driven episodes, bench/verifiers_envs.py)."""
+def _finish_statements() -> tuple[Update, Select[Any], Update]:
+    """The finish's statements, built once, on the table rather than the ORM entity: an ORM row
+    would load and decode the whole episode (its token blobs, messages and turns) into the writer's
+    shared session, whose every later statement of the group would then autoflush over it
+    (measured: a fifth of the service's CPU per call of agent-driven episodes,
+    bench/verifiers_envs.py). The usual finish is one write (`at_once`), for an episode with no
+    info yet (every running one, as only a finish or a result writes it), its status set by its
+    calls in the statement; else a read of what it needs (locked: no call stores meanwhile) and a
+    write with the info merged."""
     table: Table = Episode.__table__  # type: ignore[assignment]  # a declarative model's Table
+    waiting = (
+        table.c.id == bindparam("episode"),
+        table.c.status == _RUNNING,
+        table.c.agent_token == bindparam("token"),
+    )
+    ending = {
+        table.c.reward: bindparam("new_reward", type_=table.c.reward.type),
+        table.c.info: bindparam("new_info", type_=table.c.info.type),
+        table.c.lease_owner: None,
+        table.c.lease_expires_at: None,
+        table.c.finished_at: bindparam("finished_at", type_=table.c.finished_at.type),
+    }
+    unplayed = func.coalesce(table.c.num_turns, 0) == 0
+    error_type = table.c.error.type
+    at_once = (
+        update(table)
+        .where(*waiting, table.c.info.is_(None))
+        .values(
+            ending
+            | {
+                table.c.status: case((unplayed, bindparam("unplayed_status")), else_=bindparam("new_status")),
+                table.c.error: case(
+                    (unplayed, bindparam("unplayed_error", type_=error_type)),
+                    else_=bindparam("new_error", type_=error_type),
+                ),
+            }
+        )
+        .returning(table.c.batch_id, table.c.group_index, table.c.num_turns)
+    )
     read = (
         select(table.c.batch_id, table.c.group_index, table.c.num_turns, table.c.info)
-        .where(
-            table.c.id == bindparam("episode"),
-            table.c.status == _RUNNING,
-            table.c.agent_token == bindparam("token"),
-        )
+        .where(*waiting)
         .with_for_update()
     )
     write = (
         update(table)
-        .where(
-            table.c.id == bindparam("episode"),
-            table.c.status == _RUNNING,
-            table.c.agent_token == bindparam("token"),
-        )
+        .where(*waiting)
         .values(
-            {
+            ending
+            | {
                 table.c.status: bindparam("new_status"),
-                table.c.reward: bindparam("new_reward", type_=table.c.reward.type),
-                table.c.info: bindparam("new_info", type_=table.c.info.type),
-                table.c.error: bindparam("new_error", type_=table.c.error.type),
-                table.c.lease_owner: None,
-                table.c.lease_expires_at: None,
-                table.c.finished_at: bindparam("finished_at", type_=table.c.finished_at.type),
+                table.c.error: bindparam("new_error", type_=error_type),
             }
         )
     )
-    return read, write
+    return at_once, read, write
 
 
-_FINISH_READ, _FINISH_WRITE = _finish_statements()
+_FINISH_AT_ONCE, _FINISH_READ, _FINISH_WRITE = _finish_statements()
+
+
+def _unplayed(ending: Ending) -> tuple[EpisodeStatus, str | None]:
+    """The status and error of `ending` for an episode that made no call."""
+    if ending.status in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED):
+        return EpisodeStatus.FAILED, ending.error or UNPLAYED
+    return ending.status, ending.error
 
 
 async def finish_agent_episode(
@@ -314,23 +342,39 @@ async def finish_agent_episode(
     call: then it ends `failed` (a `completed` or `truncated` row without tokens would reach
     trainers). Returns its (batch id, group index) and the status it ended with, or None when it is
     not waiting (finished, cancelled, timed out) or `token` is no longer its own (re-queued)."""
-    async with database.writer.begin() as session:
+    unplayed_status, unplayed_error = _unplayed(ending)
+    params = {
+        "episode": episode_id,
+        "token": token,
+        "new_reward": ending.reward,
+        "finished_at": utcnow(),
+    }
+    rows = await database.writer.execute(
+        _FINISH_AT_ONCE,
+        params
+        | {
+            "new_info": dict(ending.info),
+            "new_status": ending.status.value,
+            "new_error": ending.error,
+            "unplayed_status": unplayed_status.value,
+            "unplayed_error": unplayed_error,
+        },
+    )
+    if rows:
+        played = bool(rows[0].num_turns)
+        return (rows[0].batch_id, rows[0].group_index), ending.status if played else unplayed_status
+    async with database.writer.begin() as session:  # not waiting, or with info already
         row = (await session.execute(_FINISH_READ, {"episode": episode_id, "token": token})).first()
         if row is None:
             return None
-        status, error = ending.status, ending.error
-        if not row.num_turns and status in (EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED):
-            status, error = EpisodeStatus.FAILED, error or UNPLAYED
+        status, error = (ending.status, ending.error) if row.num_turns else (unplayed_status, unplayed_error)
         await session.execute(
             _FINISH_WRITE,
-            {
-                "episode": episode_id,
-                "token": token,
+            params
+            | {
                 "new_status": status.value,
-                "new_reward": ending.reward,
                 "new_info": {**(row.info or {}), **ending.info},
                 "new_error": error,
-                "finished_at": utcnow(),
             },
         )
         return (row.batch_id, row.group_index), status

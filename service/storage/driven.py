@@ -80,9 +80,7 @@ async def hand_to_agent(database: Database, episode_id: str, attempt: int) -> Ha
     """Gives the running attempt `attempt` of the episode a token for its driver (the worker keeps
     its lease); None if the attempt no longer runs (cancelled, or its lease was lost meanwhile)."""
     token = attempt_token(attempt)
-    async with database.writer.begin() as session:
-        rows = await session.execute(
-            _HAND_OVER, {"episode": episode_id, "current_attempt": attempt, "token": token}
-        )
-        row = rows.first()
-    return None if row is None else HandedOver(token, row.batch_id, row.group_index)
+    rows = await database.writer.execute(
+        _HAND_OVER, {"episode": episode_id, "current_attempt": attempt, "token": token}
+    )
+    return HandedOver(token, rows[0].batch_id, rows[0].group_index) if rows else None

@@ -4,20 +4,21 @@ Thousands of episodes in flight each storing a result, renewing leases and claim
 otherwise open as many write transactions at once: on SQLite they queue for the file's single
 write lock (`database is locked`, pool timeouts, late lease renewals), on PostgreSQL they fill the
 pool and each pays its own commit. Here a write is a block of statements run, one block at a time,
-inside the current group transaction (under a savepoint, so a refused block rolls back alone);
-the group commits WRITE_WINDOW_SECONDS after its first block, or at once when MAX_GROUP_BLOCKS
-joined it, and every block's caller returns once its group committed. Readers use their own
-connections and never wait behind it.
+inside the current group transaction (under a savepoint, so a refused block rolls back alone; or a
+single statement without one, `execute`); the group commits WRITE_WINDOW_SECONDS after its first
+block, or at once when MAX_GROUP_BLOCKS joined it, and every block's caller returns once its group
+committed. Readers use their own connections and never wait behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Protocol
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from typing import Any, Protocol
 
+from sqlalchemy import Executable, Row
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -59,14 +60,36 @@ class Writer:
         self._window_seconds = window_seconds
         self._max_group_blocks = max_group_blocks
         self._turn = asyncio.Lock()  # one block (or commit) at a time on the connection
+        bind = sessionmaker.kw.get("bind")
+        self._sqlite = bind is not None and bind.dialect.name == "sqlite"
         self._group: _Group | None = None
         self._commits: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    @asynccontextmanager
-    async def begin(self) -> AsyncIterator[AsyncSession]:
+    def begin(self) -> AbstractAsyncContextManager[AsyncSession]:
         """A block of writes; returns once they are committed (raises if the commit failed).
         A block that raises is rolled back alone and its error is raised to its caller."""
+        return self._block(savepoint=True)
+
+    async def execute(self, statement: Executable, parameters: Mapping[str, Any]) -> list[Row[Any]]:
+        """A block of one Core statement, without the block's savepoint; its rows, once committed.
+        On SQLite a statement that fails rolls back alone and leaves the transaction open (its
+        statement journal), as under a savepoint. On PostgreSQL a statement that fails aborts the
+        whole transaction: its group is lost (rolled back now, its other blocks' callers get a
+        retryable error, as when a commit fails), and its caller gets the statement's error. So it
+        is for statements that only a database failure fails, not their values (the hot path's
+        writes of agents' episodes: ids, tokens, their checked messages). Hand-written on a
+        measured hot path: a savepoint and its release were two of each such write's three
+        statements, and most of its CPU (in-process, 1,000 concurrent writes: SQLite 0.45 ms a
+        write against 1.0 ms with them, PostgreSQL 0.27 ms against 1.0 ms)."""
+        async with self._block(savepoint=False, lose_on_error=not self._sqlite) as session:
+            connection = await session.connection()
+            result = await connection.execute(statement, parameters)
+            rows = list(result.all()) if result.returns_rows else []
+        return rows
+
+    @asynccontextmanager
+    async def _block(self, *, savepoint: bool, lose_on_error: bool = False) -> AsyncIterator[AsyncSession]:
         async with self._turn:
             if self._closed:
                 raise RuntimeError("the database writer is closed")
@@ -77,17 +100,18 @@ class Writer:
             if group.blocks >= self._max_group_blocks:
                 group.full.set()
             try:
-                async with group.session.begin_nested():
+                async with group.session.begin_nested() if savepoint else nullcontext():
                     yield group.session
             except BaseException as error:
                 # A block cut off mid-statement (its task cancelled: a loop stopped, an episode
                 # cancelled) leaves the connection invalidated, which no savepoint rolls back. The
                 # group is lost: it rolls back whole, its blocks' callers get a retryable error, and
                 # the next block opens a new group rather than failing in this one.
-                if not await _connection_lost(group.session):
+                lost = await _connection_lost(group.session)
+                if not lost and not lose_on_error:
                     raise
                 await self._lose(group)
-                if isinstance(error, asyncio.CancelledError):
+                if isinstance(error, asyncio.CancelledError) or not lost:
                     raise
                 raise _group_lost() from error
         await asyncio.shield(group.committed)

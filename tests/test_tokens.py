@@ -89,7 +89,7 @@ def test_a_learned_message_text_gives_the_ids_of_a_full_render(variant: str) -> 
     for _ in range(2):  # encoded, then from the cache: the same ids
         for message in messages:
             assert chat.message_ids(message) == chat.encode(chat._message_text([message]))
-    assert chat._message_texts[("user", None)] is not None  # learned, then reused
+    assert chat._message_texts[("user", None, False)] is not None  # learned, then reused
     cached = chat.message_ids(messages[1])
     cached.append(0)  # a caller's list is its own
     assert chat.message_ids(messages[1]) == cached[:-1]
@@ -118,7 +118,40 @@ def test_a_template_that_trims_contents_is_rendered_in_full() -> None:
         chat.decode(chat.message_ids(message))
         == "<|im_start|>user\npadded<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert chat._message_texts[("user", None)] is None
+    assert chat._message_texts[("user", None, False)] is None
+
+
+@pytest.mark.parametrize("variant", ["chatml", "qwen3", "llama3"])
+def test_tool_results_naming_their_call_give_the_ids_of_a_full_render(variant: str) -> None:
+    """An agent's tool results carry their call's id (OpenAI's tool_call_id), which these templates
+    do not render: learned and cached as any message, empty contents too, with the ids of the
+    message rendered whole."""
+    chat = chat_variant(variant).chat
+    messages = [
+        {"role": "tool", "name": "bash", "tool_call_id": "call_0_0", "content": "total 0\n"},
+        {"role": "tool", "name": "bash", "tool_call_id": "call_1_0", "content": ""},
+        {"role": "tool", "name": "bash", "tool_call_id": "call_7_0", "content": ""},
+    ]
+    for _ in range(2):
+        for message in messages:
+            assert chat.message_ids(message) == chat.encode(chat._message_text([message]))
+    assert chat._ids_ignored[("tool", "bash")] and chat._message_texts[("tool", "bash", True)] is not None
+
+
+def test_a_template_that_renders_tool_call_ids_is_rendered_in_full() -> None:
+    tokenizer = fresh_test_tokenizer()  # its own: the template changes
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_call_id %}[{{ m.tool_call_id }}] "
+        "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    chat = ChatTokenizer(tokenizer)
+    for call, content in (("call_1", "ok"), ("call_2", "ok"), ("call_3", "")):
+        message = {"role": "tool", "tool_call_id": call, "content": content}
+        assert chat.decode(chat.message_ids(message)) == (
+            f"<|im_start|>tool\n[{call}] {content}<|im_end|>\n<|im_start|>assistant\n"
+        )
+    assert not chat._ids_ignored[("tool", None)]
 
 
 async def test_token_texts_keep_multi_byte_characters_whole() -> None:

@@ -137,13 +137,12 @@ class AgentTurns:
             return last, None, self.chat.messages_ids([template_message(message) for message in new])
         # The first message records the tools the prompt was rendered with.
         head = {"role": "tools", "tools": call.tools or None}
-        prompt_ids = self.chat.conversation_ids(
-            [template_message(message) for message in call.messages], call.tools
-        )
+        prompt = self.chat.conversation([template_message(message) for message in call.messages], call.tools)
         segment = Segment(
-            tokens=EpisodeTokens(prompt_ids, [], [], []),
+            tokens=EpisodeTokens(prompt.prompt_ids, [], [], []),
             turns=[],
             messages=[head, *call.messages],
+            input_json=prompt.encoded(),
         )
         if last is not None:
             episode.segments += 1

@@ -36,6 +36,8 @@ MESSAGE_CACHE_MAX_CHARS = 4096  # longer contents are encoded each time (bounds 
 # Stands in for a message's content when its template text is learned (see message_ids).
 CONTENT_SLOT = "PROBE_CONTENT_SLOT"
 # Contents a learned template text must render exactly as the template does, or it is not used.
+# Tool call ids a tool result is rendered with, to tell whether a template renders them.
+PROBE_CALL_IDS = ("call_PROBE_0", "PROBE-TOOL-CALL-ID-1")
 SLOT_CHECKS = ("  padded  ", "two\nlines\n", "{{ braces }} <tags> & 'quotes' \"double\"", "ünïcødé ✓")
 
 
@@ -175,14 +177,17 @@ class ChatTokenizer:
         self.tool_instruction = tool_instruction
         self.template_tool_instruction = template_tool_instruction
         self._backend = self._checked_backend(tokenizer)
-        # (role, name) -> the text around a message's content, or None where the template does
-        # not render the content verbatim (it trims or escapes it): see message_ids.
-        self._message_texts: dict[tuple[str, str | None], tuple[str, str] | None] = {}
+        # (role, name, whether it names a tool call) -> the text around a message's content, or
+        # None where the template does not render the content verbatim (it trims or escapes it):
+        # see message_ids.
+        self._message_texts: dict[tuple[str, str | None, bool], tuple[str, str] | None] = {}
         # A group's samples share their prompt: its ids and their engine JSON, made once (see prompt).
         self._prompts: LRUCache[tuple[str, str, str], tuple[list[int], EncodedIds]]
         self._prompts = LRUCache(PROMPT_CACHE_SIZE)
-        self._conversations: LRUCache[str, list[int]] = LRUCache(PROMPT_CACHE_SIZE)  # see conversation_ids
-        self._message_ids: dict[tuple[str, str | None, str], list[int]] = {}  # see message_ids
+        self._conversations: LRUCache[str, tuple[list[int], EncodedIds]]  # see conversation
+        self._conversations = LRUCache(PROMPT_CACHE_SIZE)
+        self._message_ids: dict[tuple[str, str | None, bool, str], list[int]] = {}  # see message_ids
+        self._ids_ignored: dict[tuple[str, str | None], bool] = {}  # (role, name): see _id_free
         # Only what follows the assistant's content is taken from the template: thinking templates
         # (Qwen3) render the text before it differently once later messages exist, but never
         # the text after it, and the model has already seen and sampled everything before it.
@@ -275,20 +280,24 @@ class ChatTokenizer:
         trajectory.continue_encoding(encoded)
         return trajectory
 
-    def conversation_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> list[int]:
-        """A whole conversation as the template renders it, with the next generation header, and
-        nothing of this service's own (no tool instruction): an external agent's prompt. The
-        samples of a group share theirs: it is rendered once."""
+    def conversation(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Trajectory:
+        """A new trajectory whose prompt is a whole conversation as the template renders it, with
+        the next generation header, and nothing of this service's own (no tool instruction): an
+        external agent's prompt. The samples of a group share theirs: it is rendered, and its
+        engine JSON encoded, once (as `prompt`'s)."""
         key = json.dumps([messages, tools], sort_keys=True)
-        ids = self._conversations.get(key)
-        if ids is None:
+        cached = self._conversations.get(key)
+        if cached is None:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=True
             )
-            ids = self._conversations[key] = self.encode(str(text))
-        return list(ids)
+            first = Trajectory(self.encode(str(text)))
+            first.input_ids_json()
+            cached = self._conversations[key] = (first.prompt_ids, first.encoded())
+        ids, encoded = cached
+        trajectory = Trajectory(list(ids))
+        trajectory.continue_encoding(encoded)
+        return trajectory
 
     def closing_ids(self, sampled_ids: list[int]) -> list[int]:
         """Template tokens that end the assistant turn after `sampled_ids`, less what the model sampled.
@@ -310,30 +319,55 @@ class ChatTokenizer:
     def message_ids(self, message: dict[str, Any]) -> list[int]:
         """Ids of a user or tool message that follows an assistant turn, plus the next header.
 
-        The template's text around a message's content is learned once per (role, name) and
-        reused, where the template renders the content verbatim (checked on SLOT_CHECKS); the
-        ids are always those of encoding the whole message text at once.
+        The template's text around a message's content is learned once per (role, name, whether
+        it names a tool call) and reused, where the template renders the content verbatim (checked
+        on SLOT_CHECKS); the ids are always those of encoding the whole message text at once. A
+        tool result's `tool_call_id` is left to the template where it renders it (its text is then
+        the message's own).
         """
         content = message.get("content")
-        # Empty contents are rendered in full: some templates leave them out altogether.
-        if set(message) <= {"role", "name", "content"} and isinstance(content, str) and content:
-            key = (str(message["role"]), message.get("name"))
+        canonical = self._id_free(message) if isinstance(content, str) else None
+        if canonical is not None:
+            key = (str(message["role"]), message.get("name"), "tool_call_id" in message)
+            if not content:  # rendered in full: some templates leave empty contents out altogether
+                return self._cached(key, "", lambda: self.encode(self._message_text([canonical])))
             if key not in self._message_texts:
-                self._message_texts[key] = self._learn_message_text(message)
+                self._message_texts[key] = self._learn_message_text(canonical)
             around = self._message_texts[key]
             if around is not None:
                 if len(content) > MESSAGE_CACHE_MAX_CHARS:
                     return self.encode(around[0] + content + around[1])
-                # Hand-written cache on the hot path: encoding env replies was 8-10% of the
-                # event loop at 2,000 in flight, and a group's samples often get the same ones.
-                cached = (*key, content)
-                ids = self._message_ids.get(cached)
-                if ids is None:
-                    ids = self._message_ids[cached] = self.encode(around[0] + content + around[1])
-                    if len(self._message_ids) > MESSAGE_CACHE_SIZE:
-                        del self._message_ids[next(iter(self._message_ids))]  # the oldest
-                return list(ids)
+                return self._cached(key, content, lambda: self.encode(around[0] + content + around[1]))
         return self.encode(self._message_text([message]))
+
+    def _cached(
+        self, key: tuple[str, str | None, bool], content: str, ids: Callable[[], list[int]]
+    ) -> list[int]:
+        """A copy of the message's ids, made once. Hand-written cache on the hot path: encoding env
+        replies was 8-10% of the event loop at 2,000 in flight, and a group's samples often get the
+        same ones."""
+        cached = (*key, content)
+        found = self._message_ids.get(cached)
+        if found is None:
+            found = self._message_ids[cached] = ids()
+            if len(self._message_ids) > MESSAGE_CACHE_SIZE:
+                del self._message_ids[next(iter(self._message_ids))]  # the oldest
+        return list(found)
+
+    def _id_free(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        """The message as the template renders it whatever its `tool_call_id` (that id replaced by
+        a probe's), or None when its text may depend on more than its role, name, content and
+        whether it has an id: other fields, or an id the template renders (checked once per role
+        and name, rendering two probe ids)."""
+        if not set(message) <= {"role", "name", "content", "tool_call_id"}:
+            return None
+        if "tool_call_id" not in message:
+            return message
+        key = (str(message["role"]), message.get("name"))
+        if key not in self._ids_ignored:
+            probes = [{**message, "content": CONTENT_SLOT, "tool_call_id": probe} for probe in PROBE_CALL_IDS]
+            self._ids_ignored[key] = len({self._message_text([probe]) for probe in probes}) == 1
+        return {**message, "tool_call_id": PROBE_CALL_IDS[0]} if self._ids_ignored[key] else None
 
     def messages_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """Ids of the messages that follow an assistant turn, plus the next header: the results of

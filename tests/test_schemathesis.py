@@ -27,7 +27,7 @@ from tests.conftest import service_settings
 
 SPEC = Path(__file__).resolve().parents[1] / "openapi.yaml"
 API_KEY = "schemathesis-key"
-MAX_EXAMPLES = 40  # per operation (fuzzing phase): about 35 s per database on the 2-core machine
+MAX_EXAMPLES = 20  # per operation (fuzzing phase), as issue 35 runs it; 40 took 12 s more of CPU
 MAX_EPISODES = 8  # per request (the service's limit here): accepted batches stay short
 ENV, SPLIT, TASKS = "builtin/shop", "test", 50
 STATEFUL_EXAMPLES = 20  # scenarios of submit, then read back

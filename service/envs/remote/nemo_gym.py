@@ -110,9 +110,7 @@ class NemoGymEnv:
                 raise self.failure(server, "seed_session", failure_kind(error), error) from error
             if response.status_code in NOT_SEEDED_STATUSES:
                 answer = Exception(f"HTTP {response.status_code}: {response.text[:200]}")
-                raise server_failure(
-                    server.url, config.name, "seed_session", "capacity", answer, config.call_timeout_seconds
-                )
+                raise self.failure(server, "seed_session", "capacity", answer)
             if response.is_error:
                 self.pool.failed(server, "server", f"HTTP {response.status_code}")
                 raise EnvServerError(

@@ -27,7 +27,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from service.records import EpisodeRequest, EpisodeResult, EpisodeSpec, EpisodeStatus
 from service.storage import blobs
@@ -390,13 +390,17 @@ async def release_episodes(
     return released
 
 
-async def cancelled_batches(reader: async_sessionmaker[AsyncSession], batch_ids: Collection[str]) -> set[str]:
-    """Those of `batch_ids` that were cancelled: a lookup by primary key per chunk of ids."""
+_CANCELLED = select(Batch.id).where(
+    Batch.id.in_(bindparam("batches", expanding=True)), Batch.cancelled_at.is_not(None)
+)
+
+
+async def cancelled_batches(database: Database, batch_ids: Collection[str]) -> set[str]:
+    """Those of `batch_ids` that were cancelled: a lookup by primary key per chunk of ids, a
+    statement built once on a reader's connection (each worker asks twice a second: building the
+    query and an ORM session each time was 2-4% of the service's CPU at 2,000 in flight)."""
     cancelled: set[str] = set()
-    async with reader() as session:
+    async with database.read_only.connect() as connection:
         for chunk in _chunks(sorted(batch_ids)):
-            rows = await session.scalars(
-                select(Batch.id).where(Batch.id.in_(chunk), Batch.cancelled_at.is_not(None))
-            )
-            cancelled.update(rows)
+            cancelled.update((await connection.execute(_CANCELLED, {"batches": list(chunk)})).scalars())
     return cancelled

@@ -24,7 +24,9 @@ from service.storage.groups import CompletedGroup, GroupKey
 
 logger = logging.getLogger(__name__)
 
-GATHER_SECONDS = 0.02  # after a touch, for more of them to join the same transaction
+# After a touch, for more of them to join the same transaction: at 2,000 episodes in flight a
+# round per 20 ms (a write transaction and its reads) was 4-5% of the service's CPU.
+GATHER_SECONDS = 0.1
 SWEEP_SECONDS = 2.0  # between sweeps of every unlogged group
 RETRY_SECONDS = 1.0  # after a failed transaction (the database down); doubles, jittered
 RETRY_MAX_SECONDS = 8.0  # up to this

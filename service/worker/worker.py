@@ -383,7 +383,7 @@ class EpisodeWorker:
             if not batches:
                 continue
             try:
-                cancelled = await queue.cancelled_batches(self.database.reader, batches)
+                cancelled = await queue.cancelled_batches(self.database, batches)
             except Exception as error:
                 self._round_failed("checking for cancelled batches", error)
                 continue

@@ -96,12 +96,14 @@ class Trajectory:
 
     def input_ids_json(self) -> str:
         """`json.dumps(self.input_ids())`, computed from the new ids only."""
+        # orjson writes a list of ints as `",".join(map(str, ids))` in brackets, at a tenth of its
+        # CPU: a measured hot path (every turn's new ids, 2-3% of the event loop at 2,000 in flight).
         if not self._encoded_count and self.prompt_ids:
-            self._encoded = ",".join(map(str, self.prompt_ids))
+            self._encoded = orjson.dumps(self.prompt_ids).decode()[1:-1]
             self._encoded_count = len(self.prompt_ids)
         new = self.response_ids[self._encoded_count - len(self.prompt_ids) :]
         if new:
-            self._encoded = f"{self._encoded},{','.join(map(str, new))}"
+            self._encoded = f"{self._encoded},{orjson.dumps(new).decode()[1:-1]}"
             self._encoded_count += len(new)
         return f"[{self._encoded}]"
 

@@ -8,10 +8,11 @@ from datetime import timedelta
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from sqlalchemy import exc, select
+from sqlalchemy import exc, select, text
 
 from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.storage import blobs
+from service.storage import db as db_module
 from service.storage.batches import (
     NewBatch,
     NewEpisode,
@@ -350,3 +351,45 @@ async def test_sqlite_reads_do_not_hold_the_write_lock(db: Database) -> None:
             await enqueue(db)
         claimed = await claim_episodes(db.sessionmaker, "w", 10, 30)
         assert len(claimed) == 8
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+async def test_a_pooled_postgres_connection_is_pinged_only_after_sitting_idle(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(database_url)
+    dialect = engine.sync_engine.dialect
+    ping = dialect.do_ping
+    pings = 0
+
+    def counted(dbapi_connection: object) -> bool:
+        nonlocal pings
+        pings += 1
+        return ping(dbapi_connection)
+
+    monkeypatch.setattr(dialect, "do_ping", counted)
+    monkeypatch.setattr(db_module, "PING_IDLE_SECONDS", 0.2)
+
+    async def backend_pid() -> int:
+        async with engine.connect() as connection:
+            return int((await connection.execute(text("SELECT pg_backend_pid()"))).scalar_one())
+
+    try:
+        first = await backend_pid()  # a new connection: not pinged
+        assert [await backend_pid() for _ in range(3)] == [first] * 3  # used within 0.2 s: not pinged
+        assert pings == 0
+        await asyncio.sleep(0.3)
+        assert await backend_pid() == first
+        assert pings == 1
+        # Killed while idle: the ping finds it dead, and the checkout gets a new connection.
+        killer = make_engine(database_url)
+        try:
+            async with killer.connect() as other:
+                await other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": first})
+        finally:
+            await killer.dispose()
+        await asyncio.sleep(0.3)
+        assert await backend_pid() != first
+        assert pings == 2
+    finally:
+        await engine.dispose()

@@ -726,10 +726,6 @@ def test_replay_the_image_build_then_migrate_serve_and_healthcheck(tmp_path: Pat
             base_env[key] = os.environ[key]
     # Keep pip's download cache between runs of this test (the image build sets PIP_NO_CACHE_DIR).
     base_env["PIP_CACHE_DIR"] = str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pip")
-    # pip byte-compiles every module it installs (about 5,900 here), a quarter of the replay's CPU (48 s
-    # of CPU with it, 35 s without), for bytecode that only speeds up the image's imports: the few
-    # processes run here compile what they import as they go. Nothing the test checks depends on it.
-    base_env["PIP_COMPILE"] = "0"
     image = tmp_path / "image"
     build = StageReplay(image, dict(base_env))
     build.run(builder, {"WITH_TAU": "false"})

@@ -6,7 +6,7 @@ on a loaded one, and its logits are left as they are.
 
 Why: the pause and abort tests must find a call mid-generation, and they see its progress on the
 /metrics of vLLM's API server, which on a loaded machine lags the engine by hundreds of tokens (the
-engine's worker process samples while the API server waits for a core): unpaced, the tiny model's
+engine-core process samples while the API server waits for a core): unpaced, the tiny model's
 whole turn was sampled before the test saw its first token."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ finished ones stay; nothing runs on afterwards; a repeat changes nothing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,13 @@ from tests.support.service_process import episodes_of, service_process, submissi
 
 SLOW_TURN_SECONDS = 0.4  # long enough that a cancel finds episodes mid-turn
 QUIET_SECONDS = 1.0  # after a cancel, how long no cancelled episode may call the engine
-# A worker in another process finds its episodes' batch cancelled within this (its poll: 0.5 s).
-NOTICE_SECONDS = 1.0
+# A worker in another process finds its episodes' batch cancelled within this (its poll: 0.5 s,
+# on a loaded machine more).
+NOTICE_SECONDS = 30.0
+# That worker's lease: long, so that within the test only its cancelled-batch loop can stop the
+# episodes. With the suite's 5 s, its heartbeat (every lease / 3) found the cancelled episodes'
+# leases gone first at load 20, and stopped them as lost leases.
+NOTICE_LEASE_SECONDS = 60.0
 
 
 @pytest.fixture
@@ -184,16 +189,25 @@ async def test_cancel_through_an_api_process_stops_another_process_episodes(
     sim, sglang_url = slow_sim
     async with (
         service_process(tmp_path, database_url, sglang_url, "api", run_worker="false") as api,
-        service_process(tmp_path, database_url, sglang_url, "worker", max_running_episodes=2) as worker,
+        service_process(
+            tmp_path,
+            database_url,
+            sglang_url,
+            "worker",
+            max_running_episodes=2,
+            lease_seconds=NOTICE_LEASE_SECONDS,
+        ) as worker,
         httpx.AsyncClient(base_url=api.url, timeout=30) as http,
     ):
         episode_ids, answer = await cancel_once_running(http, db, "c-x", 3)
         assert answer["counts"]["running"] == 0
 
-        await asyncio.sleep(NOTICE_SECONDS)
+        def stopped() -> Awaitable[bool]:
+            said = (line.get("message", "") for line in worker.log_lines())
+            return _true(any("episodes of cancelled batches ['c-x']" in message for message in said))
+
+        await wait_for(stopped, NOTICE_SECONDS, "the worker to stop the cancelled batch's episodes")
         await wait_for(lambda: _true(sim.running == 0), 5, "the engine to be idle")
-        worker_log = "\n".join(line.get("message", "") for line in worker.log_lines())
-        assert "episodes of cancelled batches ['c-x']" in worker_log
         calls = generate_calls(sim, episode_ids)
         await asyncio.sleep(QUIET_SECONDS)
         assert generate_calls(sim, episode_ids) == calls

@@ -405,6 +405,12 @@ def _run_bench(
         return result
 
 
+def _figure(value: float | None, spec: str) -> str:
+    """`value` formatted, or n/a: the ideal figures need a listed turn (none before a deadline that
+    ended every group early)."""
+    return "n/a" if value is None else format(value, spec)
+
+
 def report(r: dict[str, Any]) -> str:
     done = (
         ""
@@ -418,9 +424,10 @@ def report(r: dict[str, Any]) -> str:
             f"env executor {r['env_executor']} x {r['env_workers']}, {r['cpus']} CPUs, "
             f"max_inflight_generates {r['max_inflight_generates']}, {r['database']}",
             f"wall      {r['wall_s']:.2f} s (ideal {r['ideal_wall_s']:.2f} s = {r['max_turns']} turns x "
-            f"latency); efficiency {r['efficiency']:.1%}",
-            f"rate      {r['episodes_per_s']:.1f} episodes/s (ideal {r['ideal_episodes_per_s']:.1f}), "
-            f"{r['turns_per_s']:.1f} turns/s (ideal {r['ideal_turns_per_s']:.1f}); "
+            f"latency); efficiency {_figure(r['efficiency'], '.1%')}",
+            f"rate      {r['episodes_per_s']:.1f} episodes/s "
+            f"(ideal {_figure(r['ideal_episodes_per_s'], '.1f')}), "
+            f"{r['turns_per_s']:.1f} turns/s (ideal {_figure(r['ideal_turns_per_s'], '.1f')}); "
             f"{r['mean_turns']:.2f} turns per episode",
             f"loop lag  p50 {r['loop_lag_p50_ms']:.1f} ms, p99 {r['loop_lag_p99_ms']:.1f} ms, max "
             f"{r['loop_lag_max_ms']:.1f} ms (idle: p50 {r['idle_loop_lag_p50_ms']:.2f}, p99 "

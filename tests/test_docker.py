@@ -49,6 +49,9 @@ ENV_EXAMPLE = DOCKER / ".env.example"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
 # Set in every test environment so that the `:?` checks of the compose files pass.
+# One RUN step of the replayed build: its pip install takes about a minute on a quiet machine, and
+# outran 600 s in CI's fresh-clone run at a load average of 30 (killed mid-install, passed on its rerun).
+RUN_STEP_TIMEOUT_SECONDS = 1800
 DUMMY_ENV = {"POSTGRES_PASSWORD": "dummy-not-a-secret", "API_KEYS": "k1"}
 FLEET_ENV = {**DUMMY_ENV, "SGLANG_URL": "http://fleet:30000"}
 REQUIRED_SERVICE_SETTINGS = {
@@ -698,7 +701,7 @@ class StageReplay:
                 command = ins.args.replace(" /app", f" {self.root}/app")
                 done = subprocess.run(
                     [*self.shell, command], cwd=self.workdir, env=self.env, capture_output=True,
-                    text=True, timeout=600, check=False,
+                    text=True, timeout=RUN_STEP_TIMEOUT_SECONDS, check=False,
                 )  # fmt: skip
                 assert done.returncode == 0, f"line {ins.line}: {done.stdout[-3000:]}{done.stderr[-3000:]}"
 

@@ -142,20 +142,25 @@ async def test_a_block_cut_off_mid_statement_loses_its_group_and_only_it(db: Dat
     cancelled caller its CancelledError at once (the statement is ended, not waited for), and the
     next block a new group that commits (no lock is left behind)."""
     writer = Writer(db.sessionmaker, window_seconds=2.0)  # every block below would share one group
+    dialect = db.url.split(":")[0].split("+")[0]
+    ran = asyncio.Event()
 
     async def write() -> None:
         async with writer.begin() as session:
             await enqueue_batch(session, new_batch())
+            ran.set()
 
     async def stuck() -> None:
         async with writer.begin() as session:
-            await session.execute(text(LONG_STATEMENT[db.url.split(":")[0].split("+")[0]]))
+            await session.execute(text(LONG_STATEMENT[dialect]))
 
     try:
         earlier = asyncio.create_task(write())
-        await asyncio.sleep(0.1)  # its block ran: it waits for its group's commit
+        # Its block ran: it waits for its group's commit. (A fixed 0.1 s was outrun at load 23: the
+        # stuck block opened the group, and the earlier one, behind it, committed in a new one.)
+        await asyncio.wait_for(ran.wait(), CANCEL_BOUND_SECONDS)
         cut_off = asyncio.create_task(stuck())
-        await asyncio.sleep(0.2)
+        await statement_running(db, dialect)
         cut_off.cancel()
         with pytest.raises(asyncio.CancelledError):
             async with asyncio.timeout(CANCEL_BOUND_SECONDS):
@@ -166,6 +171,21 @@ async def test_a_block_cut_off_mid_statement_loses_its_group_and_only_it(db: Dat
     finally:
         await writer.aclose()
     assert await batches_stored(db) == 1
+
+
+async def statement_running(db: Database, dialect: str) -> None:
+    """Until LONG_STATEMENT runs: PostgreSQL shows it in pg_stat_activity; SQLite's runs in
+    aiosqlite's thread, out of sight, and has a fixed 0.2 s to start."""
+    if dialect != "postgresql":
+        await asyncio.sleep(0.2)
+        return
+    running = text("SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query = :query")
+    async with asyncio.timeout(CANCEL_BOUND_SECONDS):
+        while True:
+            async with db.reader() as session:
+                if await session.scalar(running, {"query": LONG_STATEMENT[dialect]}):
+                    return
+            await asyncio.sleep(0.01)
 
 
 async def test_a_one_statement_block_returns_its_rows_and_fails_alone_or_with_its_group(db: Database) -> None:

@@ -16,13 +16,14 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, overload
+from typing import Any, Protocol, TypeVar, overload
 
 import orjson
 from cachetools import LRUCache
 
 from service.records import EpisodeTokens
 
+_K = TypeVar("_K")  # a prompt cache's key
 logger = logging.getLogger(__name__)
 
 # Probe conversation for the template pieces. Contents are arbitrary but must not be empty
@@ -268,19 +269,10 @@ class ChatTokenizer:
         samples share it (encoding a tool-laden prompt's ids was an episode's dearest turn)."""
         # orjson: json.dumps of a tau-bench-sized tool list was 1% of the CPU at 2,000 in flight.
         key = (system_prompt, orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode(), first_message)
-        cached = self._prompts.get(key)
-        if cached is None:
-            messages = [
-                {"role": "system", "content": system_prompt},
-                {"role": "user", "content": first_message},
-            ]
-            first = Trajectory(self.encode(self.render(messages, tools=tools, add_generation_prompt=True)))
-            first.input_ids_json()
-            cached = self._prompts[key] = (first.prompt_ids, first.encoded())
-        ids, encoded = cached
-        trajectory = Trajectory(list(ids))
-        trajectory.continue_encoding(encoded)
-        return trajectory
+        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": first_message}]
+        return self._shared_prompt(
+            self._prompts, key, lambda: self.render(messages, tools=tools, add_generation_prompt=True)
+        )
 
     def conversation(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Trajectory:
         """A new trajectory whose prompt is a whole conversation as the template renders it, with
@@ -288,14 +280,26 @@ class ChatTokenizer:
         external agent's prompt. The samples of a group share theirs: it is rendered, and its
         engine JSON encoded, once (as `prompt`'s)."""
         key = json.dumps([messages, tools], sort_keys=True)
-        cached = self._conversations.get(key)
+        return self._shared_prompt(
+            self._conversations,
+            key,
+            lambda: str(
+                self.tokenizer.apply_chat_template(
+                    messages, tools=tools, tokenize=False, add_generation_prompt=True
+                )
+            ),
+        )
+
+    def _shared_prompt(
+        self, cache: LRUCache[_K, tuple[list[int], EncodedIds]], key: _K, render: Callable[[], str]
+    ) -> Trajectory:
+        """A new trajectory of the prompt `render` writes, rendered, encoded and its engine JSON
+        written once per `key` in `cache`."""
+        cached = cache.get(key)
         if cached is None:
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True
-            )
-            first = Trajectory(self.encode(str(text)))
+            first = Trajectory(self.encode(render()))
             first.input_ids_json()
-            cached = self._conversations[key] = (first.prompt_ids, first.encoded())
+            cached = cache[key] = (first.prompt_ids, first.encoded())
         ids, encoded = cached
         trajectory = Trajectory(list(ids))
         trajectory.continue_encoding(encoded)

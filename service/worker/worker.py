@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
@@ -85,6 +86,8 @@ class EpisodeWorker:
         self._stopping = asyncio.Event()
         self._halt = asyncio.Event()  # the heartbeat, sweep and cancelled loops end (after the drain)
         self._wake = asyncio.Event()
+        self._shared_version: int | None = None  # the newest weight version, as last shared
+        self._versions_shared_at = -VERSIONS_SHARE_SECONDS * 2  # monotonic; long ago: never
         self._loops: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -175,6 +178,14 @@ class EpisodeWorker:
                     self.database.status.ok()
                 except Exception as error:
                     self._round_failed("claiming episodes", error)
+            if claimed and time.monotonic() - self._versions_shared_at > VERSIONS_SHARE_SECONDS * 2:
+                # Idle since (the versions loop shares only while episodes run): the first episodes
+                # would otherwise start unbounded by the other processes' newest version, and a
+                # short one could end before the loop's next round.
+                try:
+                    await self._share_newest_version()
+                except Exception as error:
+                    self._round_failed("sharing the newest weight version", error)
             for claim in claimed:
                 previous = self.running.get(claim.id)
                 if previous is not None:  # its lease expired (this process stalled) and came back to us
@@ -358,21 +369,24 @@ class EpisodeWorker:
         """Shares the newest weight version with the service's other processes, while episodes run:
         `max_staleness` is measured against the newest any of them sampled from (one trainer's
         weights behind them all), not only against this process's."""
-        shared: int | None = None
         while await self._pause(VERSIONS_SHARE_SECONDS):
             if not self.running:
                 continue
-            seen = self.runner.newest_version
             try:
-                if seen is not None and (shared is None or seen > shared):
-                    shared = await engine_state.raise_newest_version(self.writes, seen)
-                else:
-                    shared = await engine_state.read_newest_version(self.database)
+                await self._share_newest_version()
             except Exception as error:
                 self._round_failed("sharing the newest weight version", error)
-                continue
-            if shared is not None and (seen is None or shared > seen):
-                self.runner.newest_version = shared
+
+    async def _share_newest_version(self) -> None:
+        """Raises the shared newest version to this process's, or reads it from the others'."""
+        seen, shared = self.runner.newest_version, self._shared_version
+        if seen is not None and (shared is None or seen > shared):
+            shared = await engine_state.raise_newest_version(self.writes, seen)
+        else:
+            shared = await engine_state.read_newest_version(self.database)
+        self._shared_version, self._versions_shared_at = shared, time.monotonic()
+        if shared is not None and (seen is None or shared > seen):
+            self.runner.newest_version = shared
 
     async def _cancelled_loop(self) -> None:
         """Stops the running episodes of batches cancelled through any process (POST

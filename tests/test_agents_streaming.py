@@ -12,8 +12,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
+from service.agents.chat_completions import CompletionChunks
+from service.agents.conversation import Answer, ToolCall
 from service.agents.streaming import GONE, TextDeltas, shown_text
 from service.app import create_app
 from service.serving import serve_app
@@ -168,9 +171,40 @@ def test_shown_text_holds_back_what_may_become_a_tool_call_or_a_stop() -> None:
     assert shown_text("a < b ", ("<tool_call>",)) == "a < b"
     assert shown_text("end\n\nEN", ("END",)) == "end"
     assert shown_text("caf\ufffd", ()) == "caf"
+    # The longest tail that may open a marker is held, where its first character recurs in it.
+    assert shown_text("a <<tool", ("<tool_call>",)) == "a <"
+    assert shown_text("x <|<|chan", ("<|channel|>", "<|python_tag|>")) == "x <|"
+    assert shown_text("ENEN", ("ENEND",)) == ""
+    assert shown_text("ab <tool_call", ("<tool_call>", "b <")) == "a"
     tokenizer = load_test_tokenizer()
     ids = tokenizer.encode("<think>Hmm.</think>\nIt is sunny.", add_special_tokens=False)
     deltas = TextDeltas(lambda sampled: tokenizer.decode(sampled), [])
     shown = [delta for index in range(len(ids)) for delta in deltas.add(ids[index : index + 1])]
     assert "".join(text for kind, text in shown if kind == "reasoning") == "Hmm."
     assert "".join(text for kind, text in shown if kind == "content") == "It is sunny."
+
+
+def test_completion_chunks_are_the_bytes_of_each_whole_chunk() -> None:
+    """Each chunk's head is written once: the bytes are still orjson's of the whole chunk."""
+    chunks = CompletionChunks('a "quoted" m\u00f6del', include_usage=True)
+    answer = Answer(
+        content=None,
+        reasoning=None,
+        tool_calls=[ToolCall(id="call_0_0", name="bash", arguments={"command": "ls"})],
+        finish_reason="tool_calls",
+        sampled="",
+        call=0,
+        prompt_tokens=3,
+        completion_tokens=4,
+    )
+    events = [*chunks.delta("content", 'say "hi"\n'), *chunks.end(answer)]
+    choices = [
+        {"index": 0, "delta": {"content": 'say "hi"\n'}, "logprobs": None, "finish_reason": None},
+        {"index": 0, "delta": {"tool_calls": [{"index": 0, **answer.message["tool_calls"][0]}]},
+         "logprobs": None, "finish_reason": None},
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"},
+    ]  # fmt: skip
+    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    expected = [orjson.dumps({**chunks.head, "choices": [choice]}) for choice in choices]
+    expected.append(orjson.dumps({**chunks.head, "choices": [], "usage": usage}))
+    assert events == [b"data: " + body + b"\n\n" for body in expected] + [b"data: [DONE]\n\n"]

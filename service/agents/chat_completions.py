@@ -139,10 +139,13 @@ class CompletionChunks:
             "created": int(time.time()),
             "model": model,
         }
+        # Every chunk is `data: {**head, "choices": ...}`: the head's JSON is written once and
+        # each chunk's bytes are those orjson would write for the whole dict (its keys in order).
+        self._opening = b"data: " + orjson.dumps(self.head)[:-1] + b',"choices":'
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return _sse({**self.head, "choices": [choice]})
+        return self._opening + orjson.dumps([choice]) + b"}\n\n"
 
     def start(self, stream: AnswerStream) -> list[bytes]:
         return [self._chunk({"role": "assistant", "content": ""})]
@@ -157,7 +160,7 @@ class CompletionChunks:
         ]
         chunks.append(self._chunk({}, answer.finish_reason))
         if self.include_usage:
-            chunks.append(_sse({**self.head, "choices": [], "usage": _usage(answer)}))
+            chunks.append(self._opening + b'[],"usage":' + orjson.dumps(_usage(answer)) + b"}\n\n")
         return [*chunks, b"data: [DONE]\n\n"]
 
     def error(self, error: ServiceError) -> list[bytes]:

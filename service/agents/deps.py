@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Annotated, Any, Protocol, cast
 
 from fastapi import Depends, Header, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -215,66 +215,84 @@ async def streamed(
     answering = asyncio.get_running_loop().create_task(services.agents.complete(episode, call, stream))
     _answering.add(answering)
     answering.add_done_callback(_answered)
-    first = asyncio.ensure_future(stream.queue.get())
-    await asyncio.wait({answering, first}, return_when=asyncio.FIRST_COMPLETED)
-    if not first.done():
-        first.cancel()
+    answering.add_done_callback(stream.wake)
+    while not stream.pending and not answering.done():
+        await stream.changed()
+    if not stream.pending:
         with http_errors:
             answering.result()  # raises the call's failure as an HTTP error
-    opening = first.result() if first.done() and not first.cancelled() else []
 
-    async def body() -> AsyncIterator[bytes]:
+    async def body() -> AsyncIterator[tuple[bytes, bool]]:
+        """The events as (bytes, more to come). What is ready when the response can write goes in
+        one write: the opening with the text so far, every delta that came meanwhile, the last text
+        with the end (each event as it would be alone: only the writes are fewer)."""
         finished = False
         gone = asyncio.ensure_future(_disconnected(request))
-        following: asyncio.Future[list[Delta]] | None = None
+        gone.add_done_callback(stream.wake)
         try:
-            yield b"".join([*events.start(stream), *_deltas(events, opening)])
+            ready = [*events.start(stream), *_deltas(events, stream.take())]
             while not answering.done():
-                following = asyncio.ensure_future(stream.queue.get())
-                await asyncio.wait({answering, following, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if ready:
+                    yield b"".join(ready), True
+                    ready = []
+                if not stream.pending and not answering.done() and not gone.done():
+                    await stream.changed()
                 if gone.done():
                     return
-                if following.done():
-                    yield b"".join(_deltas(events, following.result()))
-                following.cancel()
-            shown: list[Delta] = []
-            while not stream.queue.empty():
-                shown += stream.queue.get_nowait()
+                ready += _deltas(events, stream.take())
+            shown = stream.take()
             try:
                 with http_errors:
                     answer = answering.result()
             except ServiceError as error:
-                yield b"".join([*_deltas(events, shown), *events.error(error)])
+                ready += [*_deltas(events, shown), *events.error(error)]
             else:
                 assert stream.deltas is not None
                 shown += stream.deltas.rest(answer)
-                yield b"".join([*_deltas(events, shown), *events.end(answer)])
+                ready += [*_deltas(events, shown), *events.end(answer)]
             finished = True
+            yield b"".join(ready), False
         finally:
+            gone.remove_done_callback(stream.wake)
             gone.cancel()
-            if following is not None:
-                following.cancel()
             if not finished:
                 stream.leave()
 
-    return StreamedAnswer(body(), media_type=SSE_MEDIA_TYPE, headers={"Cache-Control": "no-cache"})
+    return StreamedAnswer(body())
 
 
-class StreamedAnswer(StreamingResponse):
-    """Starlette's StreamingResponse without its own disconnect listener, which the body has
-    (`_disconnected`: the agent gone aborts the generation). Under ASGI spec 2.3 (uvicorn's)
+class StreamedAnswer(Response):
+    """A stream of server-sent events, written as its body gives them, the last with the end of
+    the response (one write less than Starlette's StreamingResponse, which ends with an empty
+    one). Without StreamingResponse's own disconnect listener, which the body has
+    (`_disconnected`: the agent gone aborts the generation): under ASGI spec 2.3 (uvicorn's)
     Starlette runs the body in a task group beside a task that waits for the disconnect, and at the
     body's end cancels it through an anyio cancel scope, which formats the task's repr for its
     message: measured a sixth of the service's CPU per streamed call (bench/verifiers_envs.py,
     --profile). A send once the agent is gone does nothing (uvicorn), as under spec 2.4."""
 
+    media_type = SSE_MEDIA_TYPE
+
+    def __init__(self, body: AsyncIterator[tuple[bytes, bool]]) -> None:  # no super(): no body, no length
+        self.body_iterator = body
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache"})
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ended = False
         try:
-            await self.stream_response(send)
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            await send(start)
+            async for chunk, more in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": more})
+                ended = not more
+            if not ended:  # the agent went away: the response ends as Starlette's would
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             raise ClientDisconnect() from None
         finally:
-            await cast(AsyncGenerator[bytes], self.body_iterator).aclose()  # its cleanup now, not at GC
+            await cast(AsyncGenerator[tuple[bytes, bool]], self.body_iterator).aclose()  # its cleanup now
 
 
 def _deltas(events: StreamEvents, shown: list[Delta]) -> list[bytes]:

@@ -43,10 +43,14 @@ def _held_tail(text: str, markers: tuple[str, ...] | list[str]) -> int:
         if found >= 0:
             cut = min(cut, found)
             continue
-        for size in range(min(len(marker) - 1, len(text)), 0, -1):
-            if text.endswith(marker[:size]):
-                cut = min(cut, len(text) - size)
+        # The earliest start of a tail that begins the marker: only where its first character is
+        # (a find, where trying every tail's size was half of reading a streamed frame: py-spy).
+        start = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+        while start >= 0:
+            if marker.startswith(text[start:]):
+                cut = min(cut, start)
                 break
+            start = text.find(marker[0], start + 1)
     return cut
 
 
@@ -105,19 +109,41 @@ GONE = "the agent went away mid-stream"
 @dataclass
 class AnswerStream:
     """A call being answered as a stream: the ids the engine samples go to `on_tokens`, which
-    queues what may be shown of them; `leave()` says the agent went away (its generation is
-    aborted and what it sampled is recorded)."""
+    keeps what may be shown of them (`take`) and wakes the response waiting in `changed`;
+    `leave()` says the agent went away (its generation is aborted and what it sampled is
+    recorded)."""
 
     deltas: TextDeltas | None = None  # set once the call's tokenizer is known
-    queue: asyncio.Queue[list[Delta]] = field(default_factory=asyncio.Queue)
+    pending: list[Delta] = field(default_factory=list)  # shown, not yet taken
     prompt_tokens: int = 0  # the call's, once known (before its first token)
     gone: bool = False
     muted: bool = False  # no more deltas: the call is answered again, the agent saw the first
     abort: Callable[[], None] | None = None  # aborts the generation in flight, if any
+    # What `changed` waits on: one future per wait, where a queue's get() was a task per frame
+    # (bench/verifiers_envs.py --profile: the streamed answer's tasks and waits).
+    _waiter: asyncio.Future[None] | None = None
 
     def on_tokens(self, ids: list[int]) -> None:
         if self.deltas is not None and not self.muted and (shown := self.deltas.add(ids)):
-            self.queue.put_nowait(shown)
+            self.pending += shown
+            self.wake()
+
+    def take(self) -> list[Delta]:
+        shown, self.pending = self.pending, []
+        return shown
+
+    def wake(self, *_: object) -> None:
+        """Ends the current `changed` wait, if any (a done callback for the call and the agent)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def changed(self) -> None:
+        """Returns at the next `wake` (new text, or whatever else the caller made call it)."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     def leave(self) -> None:
         self.gone = True

@@ -354,14 +354,21 @@ class _StreamFrames:
             raise EngineResponseError(f"a streamed frame is not JSON: {error}") from error
         meta = body.get("meta_info") if isinstance(body, dict) else None
         if isinstance(meta, dict) and meta.get("finish_reason") is None:
-            meta = {**meta, "finish_reason": {"type": "length"}}  # parsed for its ids only
-            partial = parse_generation({**body, "meta_info": meta})
+            items = meta.get("output_token_logprobs")
+            if isinstance(items, list):  # a frame before the last: its ids (and logprobs) only
+                ids, logprobs = _token_logprobs(items)
+            else:
+                meta = {**meta, "finish_reason": {"type": "length"}}  # parsed for its ids only
+                partial = parse_generation({**body, "meta_info": meta})
+                ids, logprobs = partial.output_ids, partial.logprobs
         else:
-            partial = self.last = parse_generation(body, self.logprobs_mode)
-        if partial.output_ids[: len(self.sampled)] != self.sampled:
+            self.last = parse_generation(body, self.logprobs_mode)
+            ids, logprobs = self.last.output_ids, self.last.logprobs
+        sampled = len(self.sampled)
+        if ids[:sampled] != self.sampled:
             raise EngineResponseError("a streamed frame does not extend the output before it")
-        new = partial.output_ids[len(self.sampled) :]
-        self.sampled, self.logprobs = partial.output_ids, partial.logprobs
+        new = ids[sampled:]
+        self.sampled, self.logprobs = ids, logprobs
         if new:
             self.on_tokens(new)
 

@@ -3,7 +3,7 @@ of its engine calls. Pure data, no I/O: storage, the API, the loop and metrics a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
@@ -138,7 +138,12 @@ class TurnRecord:
     cached_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Its fields as a dict, shallow: its finish_reason and actions are the record's own, which
+        nothing changes once the turn is recorded (dataclasses.asdict's deep copy was 14 us a turn)."""
+        return {name: getattr(self, name) for name in _TURN_FIELDS}
+
+
+_TURN_FIELDS = tuple(turn_field.name for turn_field in fields(TurnRecord))
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from sqlalchemy import exc, select, text
+from sqlalchemy import Text, cast, exc, select, text
 
 from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, EpisodeTokens, TurnRecord
 from service.storage import blobs
@@ -20,7 +22,7 @@ from service.storage.batches import (
     enqueue_batch,
     status_counts,
 )
-from service.storage.db import Database, make_engine, make_sessionmaker, utcnow
+from service.storage.db import Database, json_text, make_engine, make_sessionmaker, utcnow
 from service.storage.models import Episode
 from service.storage.queue import (
     any_queued,
@@ -248,6 +250,45 @@ async def test_finish_stores_the_outcome_once(db: Database) -> None:
             _ = light.response_ids
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        "a\ud800b",  # a lone surrogate: orjson refuses it, json.dumps writes its escape
+        {"id": 2**70},  # past 64 bits
+        {1: "int key"},
+        EpisodeStatus.COMPLETED,  # a str subclass
+        {"reward": float("nan"), "content": None},  # orjson writes NaN as null, json.dumps as NaN
+        [[1.0, {"x": float("-inf")}], None],
+    ],
+    ids=["lone-surrogate", "big-int", "int-key", "str-subclass", "nan", "infinity"],
+)
+def test_json_text_is_json_dumps_where_orjson_refuses(value: object) -> None:
+    assert json_text(value) == json.dumps(value)
+
+
+def test_json_text_writes_what_json_dumps_reads_back_the_same() -> None:
+    value = {"content": "é \x00 \U0001f600", "n": [1, -2.5, None, True], "nested": {"a": [(1e308,)]}}
+    assert json.loads(json_text(value)) == json.loads(json.dumps(value))
+    assert json_text(value) != json.dumps(value)  # orjson's form
+    with pytest.raises(TypeError):  # a type of its own fails as it did with json.dumps
+        json_text({"turn": TURN})
+
+
+async def test_a_transcript_with_a_lone_surrogate_is_stored_as_before(db: Database) -> None:
+    """json.dumps wrote a lone surrogate as its \\ud800 escape, which both databases store and
+    read back as the same string; the JSON columns' orjson falls back to it there."""
+    batch_id = await enqueue(db, groups=1, samples=1)
+    (claimed,) = await claim_episodes(db.sessionmaker, "w1", 1, LEASE_SECONDS)
+    messages = [{"role": "assistant", "content": "half \ud800 a pair, é"}]
+    result = replace(outcome(), messages=messages)
+    assert await finish_episode(db.sessionmaker, "w1", claimed.id, claimed.attempt, result)
+    async with db.sessionmaker() as session:
+        (episode,) = await load_batch_episodes(session, batch_id, with_tokens=False)
+        assert episode.messages == messages
+        stored = await session.scalar(select(cast(Episode.messages, Text)).where(Episode.id == claimed.id))
+        assert stored == json.dumps(messages)
+
+
 async def test_finish_with_a_stale_lease_writes_nothing(db: Database) -> None:
     await enqueue(db, groups=1, samples=1)
     (claimed,) = await claim_episodes(db.sessionmaker, "w1", 1, LEASE_SECONDS)
@@ -393,3 +434,4 @@ async def test_a_pooled_postgres_connection_is_pinged_only_after_sitting_idle(
         assert pings == 2
     finally:
         await engine.dispose()
+

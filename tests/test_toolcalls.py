@@ -134,3 +134,11 @@ def test_a_call_no_database_could_store_is_no_call(block: str) -> None:
     good = call("get_order", {"id": "#W1"})
     with pytest.raises(ToolCallParseError):
         parse_qwen25(f"{good}\n<tool_call>\n{block}\n</tool_call>")
+
+
+def test_a_call_orjson_cannot_write_is_checked_by_json() -> None:
+    """An int past 64 bits is JSON any database stores: the surrogate check's orjson refuses it and
+    json's check takes it, as before."""
+    block = '{"name": "get_order", "arguments": {"id": 123456789012345678901234567890}}'
+    parsed = parse_qwen25(f"<tool_call>\n{block}\n</tool_call>")
+    assert parsed.action == Action("get_order", {"id": 123456789012345678901234567890})

@@ -18,6 +18,7 @@ from service.storage import db as db_module
 from service.storage.batches import (
     NewBatch,
     NewEpisode,
+    batch_finished,
     batch_status_counts,
     enqueue_batch,
     status_counts,
@@ -435,3 +436,32 @@ async def test_a_pooled_postgres_connection_is_pinged_only_after_sitting_idle(
     finally:
         await engine.dispose()
 
+
+async def test_batch_finished_asks_whether_an_episode_is_queued_or_running(db: Database) -> None:
+    assert await batch_finished(db, "no-such-batch")
+    batch_id = await enqueue(db, groups=1, samples=2)
+    assert not await batch_finished(db, batch_id)  # queued
+    first, second = await claim_episodes(db.sessionmaker, "w1", 2, LEASE_SECONDS)
+    assert await finish_episode(db.sessionmaker, "w1", first.id, first.attempt, outcome())
+    assert not await batch_finished(db, batch_id)  # one running
+    assert await finish_episode(db.sessionmaker, "w1", second.id, second.attempt, outcome(status="aborted"))
+    assert await batch_finished(db, batch_id)
+
+
+@pytest.mark.parametrize("backend", ["postgres"])
+@pytest.mark.parametrize("pooler", [False, True], ids=["direct", "transaction-pooler"])
+async def test_single_reads_run_outside_a_transaction_on_postgres(database_url: str, pooler: bool) -> None:
+    """No BEGIN and ROLLBACK around a one-statement read, but behind a transaction-mode pooler,
+    which may run a statement's prepare and execution on two server connections outside one."""
+    database = Database.open(database_url, transaction_pooler=pooler)
+    try:
+        async with database.single_reads.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+            raw = (await connection.get_raw_connection()).driver_connection
+            assert raw is not None and raw.is_in_transaction() is pooler
+        async with database.read_only.connect() as connection:  # the readers' snapshots are kept
+            await connection.execute(text("SELECT 1"))
+            raw = (await connection.get_raw_connection()).driver_connection
+            assert raw is not None and raw.is_in_transaction()
+    finally:
+        await database.dispose()

@@ -27,7 +27,7 @@ from service.api.streaming import arrow_stream, tokens_json_stream
 from service.app_state import Services
 from service.records import FINISHED_STATUSES, EpisodeStatus, attempt_rid_prefix
 from service.storage.batch_rows import CHUNK_BYTES, open_batch_rows
-from service.storage.batches import batch_unfinished, cancel_batch
+from service.storage.batches import batch_finished, cancel_batch
 from service.storage.browse import UnknownCursor, batch_episode_summaries, list_batches
 
 router = APIRouter(tags=["batches"])
@@ -182,7 +182,7 @@ async def cancel(services: ServicesDep, batch_id: BatchId) -> CancelOut:
 
 
 async def _complete(services: Services, batch_id: str) -> bool:
-    return not await batch_unfinished(services.database, batch_id)
+    return await batch_finished(services.database, batch_id)
 
 
 async def _summary(services: Services, batch_id: str) -> bytes | None:

@@ -35,9 +35,14 @@ async def raise_newest_version(writes: Transactions, seen: int) -> int | None:
         )
 
 
+_READ_NEWEST = select(_NEWEST).where(_ROW)
+
+
 async def read_newest_version(database: Database) -> int | None:
-    async with database.reader() as session:
-        return await session.scalar(select(_NEWEST).where(_ROW))
+    """The shared newest version: a statement built once, on a Core connection (each worker asks
+    every second while its episodes run)."""
+    async with database.single_reads.connect() as connection:
+        return (await connection.execute(_READ_NEWEST)).scalar()
 
 
 async def record_pause(writes: Transactions, by: str, mode: str) -> None:

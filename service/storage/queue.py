@@ -128,7 +128,7 @@ async def any_queued(database: Database) -> bool:
     """Whether an episode waits in the queue: one read of the status index on a reader's
     connection. The claim loop asks before it claims: a claim joins the writer's group (on SQLite
     the file's write lock) even when it finds nothing, five times a second per idle process."""
-    async with database.read_only.connect() as connection:
+    async with database.single_reads.connect() as connection:
         return (await connection.execute(_ANY_QUEUED)).first() is not None
 
 
@@ -400,7 +400,7 @@ async def cancelled_batches(database: Database, batch_ids: Collection[str]) -> s
     statement built once on a reader's connection (each worker asks twice a second: building the
     query and an ORM session each time was 2-4% of the service's CPU at 2,000 in flight)."""
     cancelled: set[str] = set()
-    async with database.read_only.connect() as connection:
+    async with database.single_reads.connect() as connection:
         for chunk in _chunks(sorted(batch_ids)):
             cancelled.update((await connection.execute(_CANCELLED, {"batches": list(chunk)})).scalars())
     return cancelled

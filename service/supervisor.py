@@ -35,6 +35,9 @@ from service.metrics import MULTIPROCESS_DIR_VARIABLE, clear_multiprocess_dir
 logger = logging.getLogger(__name__)
 
 RESTART_DELAY_SECONDS = 1.0  # before a process that died is replaced: a crash loop does not spin
+# What every service process imports before it serves: the service, and transformers' tokenizer
+# classes (imported on first use, at start where episodes run: the dearest import of all).
+PRELOADED_MODULES = ("service.serving", "transformers.models.auto.tokenization_auto")
 # How a process ends once asked to stop: uvicorn drains, then re-raises the signal it drained on.
 STOPPED_EXIT_CODES = {0, -signal.SIGTERM, -signal.SIGINT}
 
@@ -57,8 +60,9 @@ def process_settings(settings: Settings, processes: int) -> Settings:
 
 
 def serve_process(settings: Settings, sock: socket.socket | None) -> None:
-    """A service process (spawned): the service `settings` describe, accepting on the shared socket,
-    or with none (a worker behind API processes) on a free loopback port of its own."""
+    """A service process (forked by the supervisor's forkserver): the service `settings` describe,
+    accepting on the shared socket, or with none (a worker behind API processes) on a free loopback
+    port of its own."""
     from service.serving import run_service  # imported here: the parent serves nothing
 
     configure_logging(settings.log_level)
@@ -112,7 +116,12 @@ class Supervisor:
         self.roles = [(worker_settings, None if api_processes else sock)] * processes
         self.roles += [(api_settings, sock)] * api_processes
         self.sock = sock
-        self.context = multiprocessing.get_context("spawn")
+        # The processes fork from a server that imported the service once (forkserver, the modules
+        # below preloaded), which starts with the first of them, once the metrics directory is in the
+        # environment. Spawned, each imported the service and transformers itself: about 5 s of CPU
+        # a process, and as long again before a replacement could serve.
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(list(PRELOADED_MODULES))
         self.processes: dict[int, tuple[BaseProcess, int]] = {}  # by sentinel: the process, its role
         self.stopping = False
         self.exit_code = 0

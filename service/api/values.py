@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
 
+import orjson
 from pydantic import AfterValidator, BeforeValidator, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
@@ -116,9 +117,36 @@ def _problem(value: Any, location: list[str | int], depth: int) -> tuple[list[st
 J = TypeVar("J", dict[str, Any], list[dict[str, Any]])
 
 
+def _surely_storable(value: Any, depth: int) -> bool:
+    """Whether `value` has no unstorable part, where the caller has made sure it holds no lone
+    surrogate (`orjson.dumps` refuses them): no NaN or infinity, no nesting past MAX_JSON_DEPTH."""
+    if type(value) is dict:
+        items: Any = value.values()
+    elif type(value) is list:
+        items = value
+    else:
+        return type(value) is not float or math.isfinite(value)
+    if depth > MAX_JSON_DEPTH:
+        return False
+    for item in items:
+        if type(item) in (dict, list, float) and not _surely_storable(item, depth + 1):
+            return False
+    return True
+
+
 def storable_json(value: J) -> J:
     """Validator of a free-form JSON object (or list of them): refuses lone surrogates (in keys and values),
-    NaN and infinities, and nesting past MAX_JSON_DEPTH, naming where."""
+    NaN and infinities, and nesting past MAX_JSON_DEPTH, naming where. Most values have no problem:
+    orjson checks their every text at once and a walk without locations the rest (an agent's
+    messages and tools, every call: the walk that names where was a twentieth of the service's
+    CPU per call in bench/verifiers_envs.py); the walk that names where runs on the others."""
+    try:
+        orjson.dumps(value)
+    except (orjson.JSONEncodeError, TypeError):
+        pass  # a lone surrogate, or what orjson does not write: the walk below tells
+    else:
+        if _surely_storable(value, 1):
+            return value
     found = _problem(value, [], 1)
     if found is not None:
         location, kind, message = found

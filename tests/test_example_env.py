@@ -91,7 +91,9 @@ async def service(
         settings = service_settings(database_url, sim_url, env_executor="process", env_workers=1)
         async with (
             serve_app(create_app(settings)) as url,
-            httpx.AsyncClient(base_url=url, timeout=30) as http,
+            # Longer than the batch's long poll below: at a load average of 15-20 the episodes'
+            # env worker process took more than 30 s to start, and the poll's read timed out first.
+            httpx.AsyncClient(base_url=url, timeout=90) as http,
         ):
             yield request.param, http
 

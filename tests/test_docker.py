@@ -732,8 +732,9 @@ def test_replay_the_image_build_then_migrate_serve_and_healthcheck(tmp_path: Pat
     base_env["PIP_CACHE_DIR"] = str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pip")
     # The image compiles its dependencies' bytecode as pip installs them; the replay checks what is
     # installed and that it runs, which the bytecode does not change: half the install's CPU (51 s
-    # -> 25 s at a load average of 15).
-    base_env["PIP_NO_COMPILE"] = "1"
+    # -> 25 s at a load average of 15). pip reads `--compile` from PIP_COMPILE (PIP_NO_COMPILE=1
+    # means compile: pip's environment values set the option's destination, which is `compile`).
+    base_env["PIP_COMPILE"] = "false"
     image = tmp_path / "image"
     build = StageReplay(image, dict(base_env))
     build.run(builder, {"WITH_TAU": "false"})
@@ -741,6 +742,7 @@ def test_replay_the_image_build_then_migrate_serve_and_healthcheck(tmp_path: Pat
     venv = Path(build.env["VIRTUAL_ENV"])
     py = venv / "bin" / "python"
     assert py.exists()
+    assert not list(venv.glob("lib/python3*/site-packages/sqlalchemy/__pycache__"))  # PIP_COMPILE held
     run = StageReplay(image, dict(base_env))
     run.run(runtime, {})
     assert (image / "app" / "service" / "config.py").exists()

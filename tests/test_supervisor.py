@@ -115,18 +115,26 @@ def messages_of(service: ServiceProcess, pid: int) -> list[str]:
     return [line["message"] for line in service.log_lines() if line.get("pid") == pid]
 
 
+def command_line(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().replace("\0", " ")
+
+
 async def test_two_processes_share_one_port_and_run_each_episode_once(
     database_url: str, db: Database, tmp_path: Path
 ) -> None:
     async with simulated_sglang(latency_seconds=0.1) as (sim, sglang_url):
         async with service_process(tmp_path, database_url, sglang_url, "workers", **SETTINGS) as service:
             children = await start_processes(service)
+            command_lines = {pid: command_line(pid) for pid in children}
             episode_ids = await submit(service.url, "shared", TASKS, SAMPLES)
             episodes, owners = await run_watching_owners(db, "shared")
             service.terminate()
             assert await service.wait_exit(EXIT_MARGIN_SECONDS) == 0, service.log_tail()
 
     assert len(set(children)) == WORKERS and service.pid not in children
+    # Forked by the supervisor's forkserver, which imported the service once: each kept its command
+    # line (a spawned process's runs multiprocessing.spawn, and imports everything again).
+    assert all("multiprocessing.forkserver" in command_lines[pid] for pid in children), command_lines
     assert [episode.id for episode in episodes] == episode_ids
     for episode in episodes:
         assert_ran_once(sim, episode)

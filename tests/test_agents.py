@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pyarrow as pa
 import pytest
+from sqlalchemy import select, update
 
 from service.agents.repository import AgentEpisode, Segment, StoredCall
 from service.agents.service import HeldEpisodes
@@ -22,6 +24,8 @@ from service.records import EpisodeTokens
 from service.serving import serve_app
 from service.sim.worker import SimRequest, SimWorker
 from service.storage.blobs import TOKEN_BLOBS
+from service.storage.db import Database, utcnow
+from service.storage.models import Episode
 from tests.conftest import service_settings
 from tests.support.agents import ANSWER, QUESTION, SYSTEM, TOOLS, finish, open_episodes
 from tests.support.contract import GenerateCall, assert_tokens_match_calls, generate_call, sim_calls
@@ -200,20 +204,20 @@ async def test_each_episode_opens_with_its_own_token_only(
 
 
 async def test_finished_and_idle_episodes_take_no_more_calls(
-    database_url: str, agent_sim: tuple[SimWorker, str]
+    database_url: str, db: Database, agent_sim: tuple[SimWorker, str]
 ) -> None:
     import openai
 
+    # The idle one's time runs out when the test says (its deadline moved into the past), not on
+    # the clock: with a 3 s limit, a loaded machine (load 20 on 2 cores) let the played episode
+    # time out between its calls and its finish (409).
     settings = service_settings(
-        # 3 s: with 1 s, a loaded machine (4 test workers on 2 cores) let the played episode time out
-        # between its call and its finish (409).
-        database_url,
-        agent_sim[1],
-        external_idle_seconds=3.0,
-        sweep_interval_seconds=0.2,
+        database_url, agent_sim[1], external_idle_seconds=600, sweep_interval_seconds=0.2
     )
     async with serve_app(create_app(settings)) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
         done, idle = await open_episodes(http, samples=2)
+        opened = await idle_deadlines(db, done, idle)
+        assert all(deadline - started == timedelta(seconds=600) for started, deadline in opened)
         refused = await finish(http, done, status="won", reward="1.0")
         assert refused.status_code == 422 and {tuple(e["loc"]) for e in refused.json()["errors"]} == {
             ("body", "status"),
@@ -221,13 +225,21 @@ async def test_finished_and_idle_episodes_take_no_more_calls(
         }
         async with agent_client(done) as llm:  # a played episode: its status is the agent's
             await llm.chat.completions.create(model="policy", messages=[QUESTION])  # type: ignore[list-item]
+        called, waiting = await idle_deadlines(db, done, idle)
+        assert called[1] > opened[0][1] and waiting == opened[1]  # a call pushes its own deadline on
         assert (await finish(http, done, status="truncated", reward=0.0)).status_code == 200
         assert (await finish(http, done, reward=1.0)).status_code == 409
         async with agent_client(done) as llm:
             with pytest.raises(openai.ConflictError):
                 await llm.chat.completions.create(model="policy", messages=[QUESTION])  # type: ignore[list-item]
 
-        for _ in range(300):  # the idle one fails within its 3 s and a sweep
+        async with db.sessionmaker.begin() as session:
+            await session.execute(
+                update(Episode)
+                .where(Episode.id == idle["episode_id"])
+                .values(lease_expires_at=utcnow() - timedelta(seconds=1))
+            )
+        for _ in range(300):  # the service's sweep fails it within a round
             episode = (await http.get(f"/episodes/{idle['episode_id']}")).json()
             if episode["status"] != "running":
                 break
@@ -235,6 +247,20 @@ async def test_finished_and_idle_episodes_take_no_more_calls(
         assert episode["status"] == "failed" and "timed out" in episode["error"]
         batch = (await http.get(f"/batches/{episode['batch_id']}", params={"wait": 10})).json()
         assert batch["complete"] and batch["counts"]["truncated"] == 1 and batch["counts"]["failed"] == 1
+
+
+async def idle_deadlines(db: Database, *agents: dict[str, Any]) -> list[tuple[datetime, datetime]]:
+    """(started_at, lease_expires_at) of each agent's episode: its idle deadline while it waits."""
+    async with db.reader() as session:
+        rows = {
+            row.id: (row.started_at, row.lease_expires_at)
+            for row in await session.execute(
+                select(Episode.id, Episode.started_at, Episode.lease_expires_at).where(
+                    Episode.id.in_([agent["episode_id"] for agent in agents])
+                )
+            )
+        }
+    return [rows[agent["episode_id"]] for agent in agents]
 
 
 async def test_calls_through_two_processes_stay_exact(

@@ -28,6 +28,7 @@ from service.envs.executors import THREADS_PER_WORKER, ExecutorKind
 from service.envs.host import CALL_TIMEOUT_SECONDS
 from service.loop.runner import DEFAULT_MAX_TURN_RESUMES
 from service.storage.db import (
+    POSTGRES_CONNECT_TIMEOUT_SECONDS,
     POSTGRES_MAX_OVERFLOW,
     POSTGRES_POOL_SIZE,
     POSTGRES_POOL_TIMEOUT_SECONDS,
@@ -285,6 +286,12 @@ class Settings(BaseSettings):
         default=POSTGRES_POOL_TIMEOUT_SECONDS,
         gt=0,
         description="How long a request waits for a free connection before answering 503 (Retry-After).",
+    )
+    database_connect_timeout_seconds: float = Field(
+        default=POSTGRES_CONNECT_TIMEOUT_SECONDS,
+        gt=0,
+        description="How long opening a PostgreSQL connection may take before it counts as failed "
+        "(a transient error: the work is retried, a request answered 503).",
     )
     database_transaction_pooler: bool = Field(
         default=False,

@@ -101,6 +101,7 @@ async def open_database(settings: Settings) -> AsyncIterator[Database]:
         pool_size=settings.database_pool_size,
         max_overflow=settings.database_max_overflow,
         pool_timeout=settings.database_pool_timeout_seconds,
+        connect_timeout=settings.database_connect_timeout_seconds,
         transaction_pooler=settings.database_transaction_pooler,
     )
     try:

@@ -7,7 +7,8 @@ Fixtures
   and removed after it. For app tests: `create_app(Settings(database_url=database_url))`.
 - `db`: a `service.storage.db.Database` on that database: `.url`, `.engine` (from `make_engine`,
   disposed after the test) and `.sessionmaker`. A second engine on
-  the same database (a "second process"): `make_engine(db.url)`; dispose it yourself.
+  the same database (a "second process"): `make_engine(db.url, connect_timeout=CONNECT_TIMEOUT_SECONDS)`
+  (tests/support/settings.py); dispose it yourself.
 - `empty_database_url`: like `database_url` but not migrated (for migration tests).
 
 SQLite databases are files in `tmp_path`, copied from one migrated per session. PostgreSQL ones are
@@ -42,15 +43,12 @@ from service.sim.worker import SimConfig, SimWorker, create_sim_app, serve_in_th
 from service.storage.db import Database, run_migrations
 from tests.support.agents import weather_policy
 from tests.support.remote_servers import GUESS_SERVER, OpenEnvServers, launch_server, listening
-from tests.support.settings import TEST_SETTINGS
+from tests.support.settings import CONNECT_TIMEOUT_SECONDS, TEST_SETTINGS
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "ROLLOUT_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
 )
 SKIP_POSTGRES = os.environ.get("ROLLOUT_SKIP_POSTGRES") == "1"
-# Refused at once when the server is down; a loaded machine (CI beside other work) took over 5 s to
-# answer a connect, which failed a teardown at random.
-POSTGRES_CONNECT_TIMEOUT_SECONDS = 30.0
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 T = TypeVar("T")
@@ -78,7 +76,7 @@ def _postgres(statement_fn: Callable[[asyncpg.Connection], Awaitable[object]]) -
     async def run() -> None:
         admin_url = make_url(POSTGRES_ADMIN_URL).set(drivername="postgresql")
         connection = await asyncpg.connect(
-            admin_url.render_as_string(hide_password=False), timeout=POSTGRES_CONNECT_TIMEOUT_SECONDS
+            admin_url.render_as_string(hide_password=False), timeout=CONNECT_TIMEOUT_SECONDS
         )
         try:
             await statement_fn(connection)
@@ -172,7 +170,7 @@ def empty_database_url(backend: str, request: pytest.FixtureRequest, tmp_path: P
 
 @pytest.fixture
 async def db(database_url: str) -> AsyncIterator[Database]:
-    database = Database.open(database_url)
+    database = Database.open(database_url, connect_timeout=CONNECT_TIMEOUT_SECONDS)
     try:
         yield database
     finally:

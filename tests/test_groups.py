@@ -32,6 +32,7 @@ from tests.support.service_process import (
     submission,
     wait_for,
 )
+from tests.support.settings import CONNECT_TIMEOUT_SECONDS
 
 ARROW = {"Accept": "application/vnd.apache.arrow.stream"}
 
@@ -145,7 +146,7 @@ async def test_concurrent_loggers_hand_out_every_seq_once(database_url: str, db:
     and no reader ever sees a seq before a smaller one commits."""
     tasks = 60
     await submit_batch(db, new_batch("race", tasks=tasks, samples=1))
-    others = [Database.open(database_url) for _ in range(3)]
+    others = [Database.open(database_url, connect_timeout=CONNECT_TIMEOUT_SECONDS) for _ in range(3)]
     seen: list[int] = []
     done = asyncio.Event()
 

@@ -12,6 +12,7 @@ from sqlalchemy import Connection, insert, inspect, select
 from service.storage import groups
 from service.storage.db import Database, alembic_config, make_engine, run_migrations
 from service.storage.models import Base, Batch, Episode, Group
+from tests.support.settings import CONNECT_TIMEOUT_SECONDS
 
 NOW = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 
@@ -28,7 +29,7 @@ def _table_names(connection: Connection) -> set[str]:
 
 
 async def _inspect(url: str) -> tuple[list[Any], set[str]]:
-    engine = make_engine(url)
+    engine = make_engine(url, connect_timeout=CONNECT_TIMEOUT_SECONDS)
     try:
         async with engine.connect() as connection:
             return await connection.run_sync(_schema_diff), await connection.run_sync(_table_names)
@@ -61,7 +62,7 @@ async def test_the_groups_of_earlier_batches_enter_the_stream(empty_database_url
     """Batches stored before 0005 get their groups rows; the first sweep logs the complete ones."""
     url = empty_database_url
     await asyncio.to_thread(run_migrations, url, "0004")
-    database = Database.open(url)
+    database = Database.open(url, connect_timeout=CONNECT_TIMEOUT_SECONDS)
     try:
         # The tables as 0004 left them: the models' (0005 adds a table and an index, no column).
         async with database.sessionmaker.begin() as session:

@@ -34,6 +34,7 @@ from service.storage.queue import (
     requeue_expired,
 )
 from tests.support.reads import get_batch, load_batch_episodes, queue_depth
+from tests.support.settings import CONNECT_TIMEOUT_SECONDS
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 LEASE_SECONDS = 30.0
@@ -364,7 +365,7 @@ async def test_concurrent_claimers_never_share_an_episode(db: Database) -> None:
     total = 120
     await enqueue(db, groups=30, samples=4)
     # A second engine stands for a second process: its own connections and locks.
-    other_engine = make_engine(db.url)
+    other_engine = make_engine(db.url, connect_timeout=CONNECT_TIMEOUT_SECONDS)
     try:
         makers = [db.sessionmaker, make_sessionmaker(other_engine)]
 
@@ -399,7 +400,7 @@ async def test_sqlite_reads_do_not_hold_the_write_lock(db: Database) -> None:
 async def test_a_pooled_postgres_connection_is_pinged_only_after_sitting_idle(
     database_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = make_engine(database_url)
+    engine = make_engine(database_url, connect_timeout=CONNECT_TIMEOUT_SECONDS)
     dialect = engine.sync_engine.dialect
     ping = dialect.do_ping
     pings = 0
@@ -424,7 +425,7 @@ async def test_a_pooled_postgres_connection_is_pinged_only_after_sitting_idle(
         assert await backend_pid() == first
         assert pings == 1
         # Killed while idle: the ping finds it dead, and the checkout gets a new connection.
-        killer = make_engine(database_url)
+        killer = make_engine(database_url, connect_timeout=CONNECT_TIMEOUT_SECONDS)
         try:
             async with killer.connect() as other:
                 await other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": first})
@@ -453,7 +454,7 @@ async def test_batch_finished_asks_whether_an_episode_is_queued_or_running(db: D
 async def test_single_reads_run_outside_a_transaction_on_postgres(database_url: str, pooler: bool) -> None:
     """No BEGIN and ROLLBACK around a one-statement read, but behind a transaction-mode pooler,
     which may run a statement's prepare and execution on two server connections outside one."""
-    database = Database.open(database_url, transaction_pooler=pooler)
+    database = Database.open(database_url, connect_timeout=CONNECT_TIMEOUT_SECONDS, transaction_pooler=pooler)
     try:
         async with database.single_reads.connect() as connection:
             await connection.execute(text("SELECT 1"))

@@ -35,7 +35,9 @@ POSTGRES_POOL_SIZE = 10
 POSTGRES_MAX_OVERFLOW = 20
 POSTGRES_POOL_TIMEOUT_SECONDS = 10.0
 POSTGRES_POOL_RECYCLE_SECONDS = 1800
-POSTGRES_CONNECT_TIMEOUT_SECONDS = 10.0  # asyncpg's own default (60 s) outlasts any caller's patience
+# A new PostgreSQL connection's limit (DATABASE_CONNECT_TIMEOUT_SECONDS): asyncpg's own default
+# (60 s) outlasts any caller's patience.
+POSTGRES_CONNECT_TIMEOUT_SECONDS = 10.0
 PING_IDLE_SECONDS = 1.0  # a pooled PostgreSQL connection idle this long is pinged at checkout
 _IDLE_SINCE = "rollout_idle_since"  # a pooled connection's record.info key: when it was checked in
 READ_ONLY_OPTION = "rollout_read_only"
@@ -147,6 +149,7 @@ def make_engine(
     pool_size: int = POSTGRES_POOL_SIZE,
     max_overflow: int = POSTGRES_MAX_OVERFLOW,
     pool_timeout: float = POSTGRES_POOL_TIMEOUT_SECONDS,
+    connect_timeout: float = POSTGRES_CONNECT_TIMEOUT_SECONDS,
     transaction_pooler: bool = False,
     echo: bool = False,
 ) -> AsyncEngine:
@@ -171,7 +174,7 @@ def make_engine(
         pool_recycle=POSTGRES_POOL_RECYCLE_SECONDS,
         json_serializer=json_text,
         connect_args={
-            "timeout": POSTGRES_CONNECT_TIMEOUT_SECONDS,
+            "timeout": connect_timeout,
             **(TRANSACTION_POOLER_CONNECT_ARGS if transaction_pooler else {}),
         },
     )
@@ -323,6 +326,7 @@ class Database:
         pool_size: int = POSTGRES_POOL_SIZE,
         max_overflow: int = POSTGRES_MAX_OVERFLOW,
         pool_timeout: float = POSTGRES_POOL_TIMEOUT_SECONDS,
+        connect_timeout: float = POSTGRES_CONNECT_TIMEOUT_SECONDS,
         transaction_pooler: bool = False,
     ) -> Database:
         """The pool (PostgreSQL) serves the readers; the writer holds one connection of it at a time."""
@@ -331,6 +335,7 @@ class Database:
             pool_size=pool_size,
             max_overflow=max_overflow,
             pool_timeout=pool_timeout,
+            connect_timeout=connect_timeout,
             transaction_pooler=transaction_pooler,
         )
         read_only = engine.execution_options(**{READ_ONLY_OPTION: True})

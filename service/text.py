@@ -2,12 +2,16 @@
 the env answer checks (service/envs/checks.py) and the column guard (service/storage/models.py):
 Unicode text, so no lone surrogate (half of a \\ud800-\\udfff pair has no UTF-8 form), and, in a text
 column, no NUL (PostgreSQL's text cannot hold U+0000; SQLite can, so a NUL would be stored on one
-database and fail on the other)."""
+database and fail on the other). In JSON text, no NaN or infinity (json.dumps writes them, SQLite
+stores them, PostgreSQL refuses them), checked by `all_finite` for the request types and the JSON
+columns' writer (service/storage/db.py's json_text)."""
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Literal
+import sys
+from typing import Any, Literal
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_OR_NUL = re.compile("[\x00\ud800-\udfff]")
@@ -28,3 +32,32 @@ def unstorable(text: str, *, column: bool) -> tuple[Problem, int, str] | None:
 def replace_unstorable(text: str) -> str:
     """`text` with every character a text column cannot hold replaced by U+FFFD."""
     return _SURROGATE_OR_NUL.sub("\ufffd", text)
+
+
+def all_finite(value: Any, max_depth: int = sys.maxsize) -> bool:
+    """Whether no float in `value` is NaN or infinite and no dict, list or tuple in it nests deeper
+    than `max_depth` levels (`value` itself is level 1). Only dicts, lists, tuples and floats of
+    those exact types are looked at: parsed JSON has no subclass, and the JSON columns' writer
+    hands a value with one to json.dumps. On hot paths: an agent's messages and tools at every call,
+    after orjson checked their text; a JSON column's value that orjson wrote with a null in it."""
+    return _all_finite(value, max_depth, 1)
+
+
+def _all_finite(value: Any, max_depth: int, depth: int) -> bool:
+    kind = type(value)
+    if kind is dict:
+        items: Any = value.values()
+    elif kind is list or kind is tuple:
+        items = value
+    else:
+        return kind is not float or math.isfinite(value)
+    if depth > max_depth:
+        return False
+    for item in items:
+        kind = type(item)
+        if kind is float:
+            if not math.isfinite(item):
+                return False
+        elif (kind is dict or kind is list or kind is tuple) and not _all_finite(item, max_depth, depth + 1):
+            return False
+    return True

@@ -33,6 +33,7 @@ from service.storage.queue import (
     renew_leases,
     requeue_expired,
 )
+from service.text import all_finite
 from tests.support.reads import get_batch, load_batch_episodes, queue_depth
 from tests.support.settings import CONNECT_TIMEOUT_SECONDS
 
@@ -266,6 +267,25 @@ async def test_finish_stores_the_outcome_once(db: Database) -> None:
 )
 def test_json_text_is_json_dumps_where_orjson_refuses(value: object) -> None:
     assert json_text(value) == json.dumps(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "max_depth", "finite"),
+    [
+        ({"a": [1, "x", None, True, {"b": (2.5, -0.0)}]}, 32, True),
+        ({"a": [1, {"b": (2.5, float("nan"))}]}, 32, False),  # in a tuple, as orjson writes one
+        ([[float("-inf")]], 32, False),
+        (float("inf"), 32, False),
+        ([[[]]], 3, True),
+        ([[[[]]]], 3, False),  # nested past the bound: 4 levels
+        ([[[[1.0]]]], 3, False),
+        (EpisodeStatus.COMPLETED, 1, True),
+    ],
+)
+def test_all_finite_finds_nan_and_infinities_and_nesting_past_the_bound(
+    value: object, max_depth: int, finite: bool
+) -> None:
+    assert all_finite(value, max_depth) is finite
 
 
 def test_json_text_writes_what_json_dumps_reads_back_the_same() -> None:

@@ -21,7 +21,7 @@ import orjson
 from pydantic import AfterValidator, BeforeValidator, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from service.text import unstorable
+from service.text import all_finite, unstorable
 
 MAX_JSON_DEPTH = 32  # nesting of a free-form JSON value (metadata): objects and arrays
 
@@ -117,23 +117,6 @@ def _problem(value: Any, location: list[str | int], depth: int) -> tuple[list[st
 J = TypeVar("J", dict[str, Any], list[dict[str, Any]])
 
 
-def _surely_storable(value: Any, depth: int) -> bool:
-    """Whether `value` has no unstorable part, where the caller has made sure it holds no lone
-    surrogate (`orjson.dumps` refuses them): no NaN or infinity, no nesting past MAX_JSON_DEPTH."""
-    if type(value) is dict:
-        items: Any = value.values()
-    elif type(value) is list:
-        items = value
-    else:
-        return type(value) is not float or math.isfinite(value)
-    if depth > MAX_JSON_DEPTH:
-        return False
-    for item in items:
-        if type(item) in (dict, list, float) and not _surely_storable(item, depth + 1):
-            return False
-    return True
-
-
 def storable_json(value: J) -> J:
     """Validator of a free-form JSON object (or list of them): refuses lone surrogates (in keys and values),
     NaN and infinities, and nesting past MAX_JSON_DEPTH, naming where. Most values have no problem:
@@ -145,7 +128,7 @@ def storable_json(value: J) -> J:
     except (orjson.JSONEncodeError, TypeError):
         pass  # a lone surrogate, or what orjson does not write: the walk below tells
     else:
-        if _surely_storable(value, 1):
+        if all_finite(value, MAX_JSON_DEPTH):  # and no deeper than that: else the walk names where
             return value
     found = _problem(value, [], 1)
     if found is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import sys
 import time
 import uuid
@@ -24,6 +23,7 @@ from sqlalchemy.pool import NullPool
 
 from service.storage.sqlite_driver import one_trip_dbapi
 from service.storage.writer import Writer
+from service.text import all_finite
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 ALEMBIC_INI = REPO_DIR / "alembic.ini"
@@ -123,24 +123,9 @@ def json_text(value: Any) -> str:
         text = orjson.dumps(value, option=_ORJSON_OPTIONS)
     except orjson.JSONEncodeError:
         return json.dumps(value)
-    if b"null" in text and not _all_finite(value):  # only a null may have been a NaN
+    if b"null" in text and not all_finite(value):  # only a null may have been a NaN
         return json.dumps(value)
     return text.decode()
-
-
-def _all_finite(value: Any) -> bool:
-    """No float in `value` (JSON orjson wrote: dicts, lists, tuples and scalars) is NaN or infinite."""
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, float):
-            if not math.isfinite(item):
-                return False
-        elif isinstance(item, dict):
-            pending.extend(item.values())
-        elif isinstance(item, list | tuple):
-            pending.extend(item)
-    return True
 
 
 def make_engine(

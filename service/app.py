@@ -64,7 +64,7 @@ async def lifespan(
         endings = Endings(
             metrics, await resources.enter_async_context(group_log(database, metrics, results)), results
         )
-        pause = EnginePause(settings.max_pause_seconds, engine.resume, database)
+        pause = EnginePause(settings.max_pause_seconds, engine.pause, engine.resume, database)
         await resources.enter_async_context(aclosing(pause))
         tokenizers = await Tokenizers.load(settings, now=settings.run_worker)
 

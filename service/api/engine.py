@@ -60,10 +60,7 @@ async def pause_generation(body: PauseRequest, services: ServicesDep) -> Control
     """POST /pause_generation on every worker. Until POST /engine/continue (through any process of
     the service), /ready answers 503 in every process; past MAX_PAUSE_SECONDS, or when this process
     stops first, the service resumes generation itself."""
-    await services.pause.started(
-        body.mode
-    )  # even if some workers refuse: the limit resumes those that paused
-    return _result("/pause_generation", await services.engine.pause(body.mode))
+    return _result("/pause_generation", await services.pause.pause(body.mode))
 
 
 @router.post(

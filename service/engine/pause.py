@@ -37,8 +37,15 @@ class EnginePause:
     must not leave the engine paused for ever). A process that stops while its pause holds resumes
     generation first, for the same reason."""
 
-    def __init__(self, max_seconds: float, resume: ControlCall, database: Database) -> None:
+    def __init__(
+        self,
+        max_seconds: float,
+        pause: Callable[[str], Awaitable[dict[str, str | None]]],
+        resume: ControlCall,
+        database: Database,
+    ) -> None:
         self.max_seconds = max_seconds
+        self._pause = pause
         self._resume = resume
         self._database = database
         self.process = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -57,11 +64,19 @@ class EnginePause:
             f"/engine/continue resumes it, or the service itself {left:.0f} s from now"
         )
 
-    async def started(self, mode: str) -> None:
+    async def pause(self, mode: str) -> dict[str, str | None]:
+        """Records the pause, then pauses the workers; the limit counts from their answers, even if
+        some refused (it resumes those that paused). Started before them, a limit shorter than the
+        record's write and the workers' answers (1 s in a test, on a loaded machine) found no pause
+        on record and stopped, or resumed the workers before their pause reached them."""
         self._cancel_timer()
         self._since = time.monotonic()
-        self._timer = asyncio.create_task(self._resume_at_limit(), name="engine pause limit")
         await engine_state.record_pause(self._database.writer, self.process, mode)
+        try:
+            return await self._pause(mode)
+        finally:
+            self._cancel_timer()  # another pause's, made meanwhile: this one's limit replaces it
+            self._timer = asyncio.create_task(self._resume_at_limit(), name="engine pause limit")
 
     async def ended(self) -> None:
         self._cancel_timer()

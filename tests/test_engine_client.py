@@ -211,8 +211,11 @@ async def test_abort_mid_generation_returns_partial_output(worker: SimWorker) ->
     slow = SimWorker(SimConfig(latency_seconds=0.0, per_token_latency_seconds=0.01))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_sim_app(worker=slow))) as http:
         client = make_client(http)
-        full = await client.generate(prompt(), {"max_new_tokens": 200}, "full:0:0")
-        pending = asyncio.create_task(client.generate(prompt(), {"max_new_tokens": 200}, "ab:0:0"))
+        # Two turns of one episode's attempt ("ab:0"), the same prompt: the simulated worker plans the
+        # same output for both (its noncanonical splits are drawn per attempt, so a request of
+        # another episode diverged from the 19th token on, which a slow sleep below reached).
+        full = await client.generate(prompt(), {"max_new_tokens": 200}, "ab:0:0")
+        pending = asyncio.create_task(client.generate(prompt(), {"max_new_tokens": 200}, "ab:0:1"))
         await asyncio.sleep(0.1)
         await client.abort("ab:0")
         generation = await pending

@@ -292,11 +292,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(shared[0]))
         elif any(defs[-1].scope in WIDER_SCOPES for defs in definitions.values() if defs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
-    # xdist's loadgroup hands out the groups of several tests first, the largest first, then the other
-    # tests and groups in this order: those with a long test (marked slow) lead it, so that none
-    # starts last and alone.
-    slow = {_scope(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: _scope(item) not in slow)
+
+
+class _LongTestsFirst:
+    """xdist's loadgroup hands out the groups of several tests first, the largest first, then the other
+    tests and groups in the collection's order: those with a long test (marked slow) lead it, so that
+    none starts last and alone. Last of the hook's implementations, after pytest-random-order's
+    shuffle (`--random-order`), whose order it keeps within the long ones and within the others
+    (sorted first, the shuffle undid it: test_xdist_groups failed in a random-order run)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        slow = {_scope(item) for item in items if item.get_closest_marker("slow")}
+        items.sort(key=lambda item: _scope(item) not in slow)
 
 
 def _scope(item: pytest.Item) -> str:
@@ -351,6 +359,7 @@ class _RerunTracebacks:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_LongTestsFirst(), "rollout-long-tests-first")
     if hasattr(config, "workerinput"):
         if config.getvalue("loadgroup"):
             config.pluginmanager.register(_GroupInNodeId(), "rollout-xdist-group-in-node-id")

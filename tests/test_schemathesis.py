@@ -8,10 +8,12 @@ import asyncio
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import schemathesis
 import yaml
@@ -75,7 +77,22 @@ def live_url(database_url: str, sim: tuple[SimWorker, str]) -> Iterator[str]:
         max_long_poll_seconds=MAX_LONG_POLL_SECONDS,
     )
     with served_in_thread(create_app(settings_)) as url:
+        wait_ready(url)
         yield url
+
+
+def wait_ready(url: str) -> None:
+    """Until /ready answers 200, as an orchestrator waits before it sends traffic. In a random-order
+    run at load 9, `HEAD /ready` on PostgreSQL answered 503 (no body: which check, unknown). Each
+    test has a fresh database, so no pause; a probe's checks are bounded (the database 5 s, the
+    engine 10 s), and the slowest is a fresh service's first connection to PostgreSQL, opened on
+    an event loop that shares this process with Hypothesis: this makes it before the cases run."""
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_SECONDS) as http:
+        while (response := http.get("/ready")).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the service is not ready: {response.text}")
+            time.sleep(0.1)
 
 
 # The same generated inputs on every run, so that CI fails for a reason and never at random: a class

@@ -26,6 +26,7 @@ from service.storage.queue import (
     requeue_expired,
 )
 from service.storage.results import ResultWrites
+from service.storage.writer import Writer
 from tests.test_storage import LEASE_SECONDS, enqueue, outcome
 
 
@@ -35,11 +36,14 @@ class Statements:
     def __init__(self, db: Database) -> None:
         self._engine = db.engine.sync_engine
         self.updates: list[int] = []  # rows per UPDATE execution
+        self.savepoints = 0
         event.listen(self._engine, "before_cursor_execute", self._seen)
 
     def _seen(self, conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
         if statement.lstrip().upper().startswith("UPDATE EPISODES"):
             self.updates.append(len(params) if many else 1)
+        if statement.lstrip().upper().startswith("SAVEPOINT"):
+            self.savepoints += 1
 
     def close(self) -> None:
         event.remove(self._engine, "before_cursor_execute", self._seen)
@@ -66,6 +70,40 @@ async def test_results_finished_together_are_stored_by_one_executemany(db: Datab
     assert statements.updates == [32]  # one statement for all 32, not 32 statements
     rows = await stored_rows(db, [c.id for c in claims])
     assert set(rows.values()) == {("completed", 1)}
+
+
+async def test_a_result_alone_is_one_statement_on_sqlite_and_fails_alone(db: Database, backend: str) -> None:
+    """A result stored alone runs its one UPDATE without the block's savepoint on SQLite, whose
+    statement journal lets a failed statement fail alone; PostgreSQL keeps the savepoint. Either
+    way a result that cannot be stored fails alone: the block that shares its group commits."""
+    await enqueue(db, groups=1, samples=2)
+    good, bad = await claim_episodes(db.writer, "w1", 2, LEASE_SECONDS)
+    writer = Writer(db.sessionmaker, window_seconds=0.5)  # the blocks below share one group
+    writes = ResultWrites(writer, "w1")
+    statements = Statements(db)
+    try:
+        assert await writes.finish(good.id, good.attempt, outcome(length=4)) is True
+        alone = statements.savepoints
+        unencodable = EpisodeResult(outcome().status, 1.0, None, [], {"not json": object()})
+
+        async def renew() -> set[str]:
+            async with writer.begin() as session:
+                await session.execute(update(Episode).where(Episode.id == good.id).values(lease_owner="w9"))
+            return {good.id}
+
+        refused, renewed = await asyncio.gather(
+            writes.finish(bad.id, bad.attempt, unencodable), renew(), return_exceptions=True
+        )
+    finally:
+        statements.close()
+        await writer.aclose()
+    assert statements.updates == [1, 1]  # the good result, then the other block (the bad one never ran)
+    assert alone == (0 if backend == "sqlite" else 1)
+    assert isinstance(refused, StatementError) and renewed == {good.id}
+    rows = await stored_rows(db, [good.id, bad.id])
+    assert rows == {good.id: ("completed", 1), bad.id: ("running", None)}
+    async with db.reader() as session:
+        assert await session.scalar(select(Episode.lease_owner).where(Episode.id == good.id)) == "w9"
 
 
 async def test_a_lost_lease_is_not_overwritten_in_a_batch(db: Database) -> None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import nullcontext
 
 from service.records import EpisodeResult
 from service.storage import queue
 from service.storage.errors import is_transient
 from service.storage.queue import Finished
-from service.storage.writer import Transactions
+from service.storage.writer import Writer
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +27,10 @@ _Waiting = tuple[Finished, "asyncio.Future[bool]"]
 
 
 class ResultWrites:
-    """One worker's result writes (`worker_id` holds their leases) through `transactions`."""
+    """One worker's result writes (`worker_id` holds their leases) through `writer`."""
 
-    def __init__(self, transactions: Transactions, worker_id: str) -> None:
-        self._transactions = transactions
+    def __init__(self, writer: Writer, worker_id: str) -> None:
+        self._writer = writer
         self._worker_id = worker_id
         self._waiting: list[_Waiting] = []
         self._flushing: set[asyncio.Task[None]] = set()
@@ -54,13 +55,17 @@ class ResultWrites:
 
     async def _flush(self) -> None:
         batch: list[_Waiting] | None = None
+        # A result alone is one statement (finish_episodes): on SQLite it fails alone without the
+        # block's savepoint, which with its release was two of the block's three statements.
+        bare = self._writer.statements_fail_alone
         try:
             try:
-                async with self._transactions.begin() as session:
+                async with self._writer.begin(savepoint=not bare) as session:
                     # Taken once the writer's turn came: what arrived meanwhile is in this batch.
                     batch = self._take()
                     items = [item for item, _ in batch]
-                    stored = await queue.finish_episodes(session, self._worker_id, items)
+                    async with session.begin_nested() if bare and len(items) > 1 else nullcontext():
+                        stored = await queue.finish_episodes(session, self._worker_id, items)
             except Exception as error:
                 if batch is None:  # the block never opened (the writer is closed, or its group failed)
                     batch = self._take()
@@ -81,7 +86,7 @@ class ResultWrites:
         for item, future in batch:
             try:
                 stored = await queue.finish_episode(
-                    self._transactions, self._worker_id, item.episode_id, item.attempt, item.result
+                    self._writer, self._worker_id, item.episode_id, item.attempt, item.result
                 )
             except Exception as error:
                 _settle(future, error=error)

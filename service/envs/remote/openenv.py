@@ -304,7 +304,8 @@ class OpenEnvEnv:
         config = self.config
         doing = "the /schema request"
         try:
-            actions = await self._learn_actions(server)
+            # Known after the env's first session: no coroutine per episode to return it.
+            actions = self.actions if self.actions is not None else await self._learn_actions(server)
             doing = "reset"
             with self.pool.call(server, "reset" if reused else "open"):
                 reset = await client.reset(**data)

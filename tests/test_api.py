@@ -530,7 +530,10 @@ async def test_liveness_answers_from_memory_while_the_database_hangs() -> None:
         silent.listen(16)
         port = silent.getsockname()[1]
         settings = service_settings(f"postgresql+asyncpg://nobody@127.0.0.1:{port}/none", closed_port_url())
-        app = create_app(settings.model_copy(update={"run_worker": False}))
+        # The service's default connect timeout, not the tests' 60 s (for a server slow to answer
+        # under load): this one never answers, and the test lasted as long as the connect's timeout.
+        update = {"run_worker": False, "database_connect_timeout_seconds": 10.0}
+        app = create_app(settings.model_copy(update=update))
         async with serve_app(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as http:
             started = time.monotonic()
             health = await http.get("/health")

@@ -136,7 +136,8 @@ async def test_skyrl_eval_and_the_length_cap(service: tuple[str, SimWorker], tok
     episodes = await stored_episodes(url, episode_ids)
     assert all("-eval-1-" in batch_id for batch_id in batch_ids_of(episodes))
     assert_rows_are_the_episodes(output, episodes, cfg)
-    cut = sum(len(e["response_ids"]) > 1150 - len(e["prompt_ids"]) for e in episodes.values())
+    cap = cfg.generator.max_input_length
+    cut = sum(len(e["response_ids"]) > cap - len(e["prompt_ids"]) for e in episodes.values())
     assert cut and trainer.all_metrics["rollout_service/cut"] == cut
 
     short = adapter.experiment_class()(skyrl_cfg(n=2, max_input_length=64)).get_trainer(tokenizer)

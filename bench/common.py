@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +85,16 @@ def submit_and_wait(url: str, tasks: int, samples: int, max_wall: float) -> dict
     return batch
 
 
+def launch(arguments: Sequence[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`python <arguments>` from the repo root in a process group of its own, its output to `log`.
+    (The benches' smoke tests fork their `-m service` ones from a preloaded process instead:
+    tests/test_bench_smoke.py.)"""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, *arguments], cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True
+        )
+
+
 def stop(process: subprocess.Popen[bytes]) -> int:
     """SIGTERM, then SIGKILL to its process group if it does not exit in time."""
     process.send_signal(signal.SIGTERM)
@@ -100,13 +110,8 @@ def sim_worker(latency: float, log_dir: Path, options: tuple[str, ...] = ()) -> 
     """`python -m service sim-worker` in its own process (with more `options`): its URL and pid."""
     port = free_port()
     log = log_dir / f"sim-{port}.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "service", "sim-worker", "--port", str(port), "--latency", str(latency),
-             *options],
-            cwd=REPO, env={**os.environ, "LOG_LEVEL": "WARNING"}, stdout=out, stderr=out,
-            start_new_session=True,
-        )  # fmt: skip
+    arguments = ["-m", "service", "sim-worker", "--port", str(port), "--latency", str(latency), *options]
+    process = launch(arguments, {**os.environ, "LOG_LEVEL": "WARNING"}, log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, log)
@@ -156,11 +161,7 @@ def serve_process(
     log = log_dir / f"serve-{port}.log"
     env = {**os.environ, "DATABASE_URL": database_url, "SGLANG_URL": sglang_url, "API_KEYS": "",
            "LOG_LEVEL": "WARNING", **environment}  # fmt: skip
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, *launcher, "serve", "--port", str(port), *options],
-            cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True,
-        )  # fmt: skip
+    process = launch([*launcher, "serve", "--port", str(port), *options], env, log)
     served = ServeProcess(f"http://127.0.0.1:{port}", process, log)
     try:
         wait_healthy(served.url, process, log)

@@ -8,15 +8,33 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.support import zygote
 from tests.support.browser import require_chromium
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(autouse=True)
+def forked_services(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benches' `python -m service ...` processes (serve, sim-worker) fork from this test
+    process's zygote, without their imports: the smoke runs start about forty."""
+    import bench.common
+
+    exec_launch = bench.common.launch
+
+    def launch(arguments: Sequence[str], env: Mapping[str, str], log: Path) -> object:
+        if list(arguments[:2]) == ["-m", "service"]:
+            return zygote.launch(arguments[2:], env, bench.common.REPO, log)
+        return exec_launch(arguments, env, log)
+
+    monkeypatch.setattr(bench.common, "launch", launch)
 
 
 def load_bench(name: str) -> ModuleType:

@@ -213,7 +213,7 @@ async def test_cancel_through_an_api_process_stops_another_process_episodes(
         assert generate_calls(sim, episode_ids) == calls
         statuses = [episode.status for episode in await episodes_of(db, "c-x")]
         assert statuses.count("cancelled") == answer["cancelled"] >= 4
-        assert worker.process.returncode is None
+        assert worker.process.poll() is None
 
 
 async def _true(value: bool) -> bool:

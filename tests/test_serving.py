@@ -92,7 +92,7 @@ async def test_sigusr2_starts_tracing_and_then_writes_snapshots_that_name_the_se
             await submit(service.url, "traced", 2, 2)
             await wait_batch_finished(db, "traced", BATCH_TIMEOUT_SECONDS)
             lines = await signalled(service, 3)
-            assert service.process.returncode is None  # the signal ended nothing
+            assert service.process.poll() is None  # the signal ended nothing
 
     first, second = sorted(snapshots.glob("*.pickle"))
     assert (first.name, second.name) == (

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -23,6 +22,7 @@ from service.storage.db import Database
 from service.storage.models import Episode
 from tests.support.ports import free_port
 from tests.support.settings import TEST_SETTINGS
+from tests.support.zygote import ServiceCommand, launch
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 # A bound, not a wait: /health is asked every 0.1 s and a process that exits fails at once. Under load
@@ -52,7 +52,7 @@ async def simulated_sglang(latency_seconds: float) -> AsyncIterator[tuple[SimWor
 class ServiceProcess:
     """One `python -m service serve` process on a free port; its stderr (JSON log lines) goes to a file."""
 
-    def __init__(self, process: asyncio.subprocess.Process, url: str, log_path: Path) -> None:
+    def __init__(self, process: ServiceCommand, url: str, log_path: Path) -> None:
         self.process = process
         self.url = url
         self.log_path = log_path
@@ -77,8 +77,8 @@ class ServiceProcess:
         deadline = time.monotonic() + timeout
         async with httpx.AsyncClient(base_url=self.url, timeout=2) as http:
             while time.monotonic() < deadline:
-                if self.process.returncode is not None:
-                    raise AssertionError(f"service exited with {self.process.returncode}:\n{self.log_tail()}")
+                if (code := self.process.poll()) is not None:
+                    raise AssertionError(f"service exited with {code}:\n{self.log_tail()}")
                 try:
                     if (await http.get("/health")).status_code == 200:
                         return
@@ -99,7 +99,12 @@ class ServiceProcess:
         self.process.send_signal(signal.SIGTERM)
 
     async def wait_exit(self, timeout: float) -> int:
-        return await asyncio.wait_for(self.process.wait(), timeout)
+        deadline = time.monotonic() + timeout
+        while (code := self.process.poll()) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"service still running after {timeout} s")
+            await asyncio.sleep(POLL_SECONDS)
+        return code
 
 
 @asynccontextmanager
@@ -122,19 +127,14 @@ async def service_process(
         **{key.upper(): str(value) for key, value in (SERVICE_ENV | settings).items()},
     }
     log_path = log_dir / f"{name}-{port}.log"
-    with log_path.open("wb") as log:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port),
-            cwd=REPO_DIR, env=environment, stdin=asyncio.subprocess.DEVNULL,
-            stdout=log, stderr=log, start_new_session=True,
-        )  # fmt: skip
+    process = launch(["serve", "--host", "127.0.0.1", "--port", str(port)], environment, REPO_DIR, log_path)
     service = ServiceProcess(process, f"http://127.0.0.1:{port}", log_path)
     try:
         await service.wait_healthy()
         yield service
     finally:
         service.kill()
-        await asyncio.wait_for(process.wait(), 30)
+        await service.wait_exit(30)
 
 
 async def wait_for(condition: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:

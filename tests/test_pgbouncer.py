@@ -27,6 +27,7 @@ from service.storage.db import Database, check_schema, run_migrations, wait_for_
 from tests.conftest import service_settings
 from tests.support.ports import free_port
 from tests.support.service_process import REPO_DIR, submission, wait_batch_finished
+from tests.support.settings import CONNECT_TIMEOUT_SECONDS
 
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 POSTGRES_ONLY = pytest.mark.parametrize("backend", ["postgres"], indirect=True)
@@ -105,8 +106,8 @@ import asyncio, sys
 from sqlalchemy import text
 from service.storage.db import Database
 
-async def main(url: str, pooler: bool) -> None:
-    database = Database.open(url, transaction_pooler=pooler)
+async def main(url: str, pooler: bool, connect_timeout: float) -> None:
+    database = Database.open(url, transaction_pooler=pooler, connect_timeout=connect_timeout)
     try:
         async with database.engine.connect() as connection:
             for _ in range(3):
@@ -115,13 +116,13 @@ async def main(url: str, pooler: bool) -> None:
     finally:
         await database.dispose()
 
-asyncio.run(main(sys.argv[1], sys.argv[2] == "true"))
+asyncio.run(main(sys.argv[1], sys.argv[2] == "true", float(sys.argv[3])))
 """
 
 
 def run_client(url: str, *, pooler: bool) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", CLIENT, url, str(pooler).lower()],
+        [sys.executable, "-c", CLIENT, url, str(pooler).lower(), str(CONNECT_TIMEOUT_SECONDS)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -30,6 +30,9 @@ GATHER_SECONDS = 0.1
 SWEEP_SECONDS = 2.0  # between sweeps of every unlogged group
 RETRY_SECONDS = 1.0  # after a failed transaction (the database down); doubles, jittered
 RETRY_MAX_SECONDS = 8.0  # up to this
+# How long a stop waits for the round in flight (milliseconds as a rule): one still waiting past it
+# is on a database that does not answer, and waited as long as its connect timeout (30 s and more).
+STOP_WAIT_SECONDS = 5.0
 
 
 class GroupLog:
@@ -62,11 +65,18 @@ class GroupLog:
         self._task = asyncio.create_task(self._loop(), name="group log")
 
     async def stop(self) -> None:
-        """Logs what was touched (one try) and stops, never cutting a transaction short; a sweep
-        in another process catches what fails here."""
+        """Logs what was touched (one try) and stops, cutting the round short only if it has not
+        ended STOP_WAIT_SECONDS later; a sweep in any process logs what is left."""
         self._stopping = True
         self._touched.set()
-        if self._task is not None:
+        if self._task is None:
+            return
+        done, _ = await asyncio.wait([self._task], timeout=STOP_WAIT_SECONDS)
+        if not done:
+            logger.warning(
+                "logging complete groups did not end %g s after the stop: cancelled", STOP_WAIT_SECONDS
+            )
+            self._task.cancel()
             await asyncio.wait([self._task])
 
     async def _loop(self) -> None:

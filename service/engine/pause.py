@@ -8,7 +8,6 @@ import asyncio
 import logging
 import os
 import socket
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -49,7 +48,7 @@ class EnginePause:
         self._resume = resume
         self._database = database
         self.process = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._since: float | None = None  # time.monotonic() of this process's pause
+        self._paused_here = False  # this process paused generation, and nobody has resumed it since
         self._timer: asyncio.Task[None] | None = None
 
     async def paused(self) -> str | None:
@@ -70,7 +69,7 @@ class EnginePause:
         record's write and the workers' answers (1 s in a test, on a loaded machine) found no pause
         on record and stopped, or resumed the workers before their pause reached them."""
         self._cancel_timer()
-        self._since = time.monotonic()
+        self._paused_here = True
         await engine_state.record_pause(self._database.writer, self.process, mode)
         try:
             return await self._pause(mode)
@@ -80,7 +79,7 @@ class EnginePause:
 
     async def ended(self) -> None:
         self._cancel_timer()
-        self._since = None
+        self._paused_here = False
         await engine_state.clear_pause(self._database.writer)
 
     async def _holds(self) -> bool:
@@ -96,7 +95,7 @@ class EnginePause:
     async def _resume_at_limit(self) -> None:
         await asyncio.sleep(self.max_seconds)
         if not await self._holds():
-            self._since, self._timer = None, None
+            self._paused_here, self._timer = False, None
             return
 
         async def resume() -> dict[str, str | None]:
@@ -115,7 +114,7 @@ class EnginePause:
             self.max_seconds,
             len(outcome),
         )
-        self._since, self._timer = None, None
+        self._paused_here, self._timer = False, None
 
     def _resume_failed(self, state: RetryCallState) -> None:
         outcome = state.outcome.result() if state.outcome is not None else {}
@@ -142,9 +141,9 @@ class EnginePause:
         if timer is not None:
             timer.cancel()
             await asyncio.wait([timer])
-        if self._since is None or not await self._holds():
+        if not self._paused_here or not await self._holds():
             return
-        self._since = None
+        self._paused_here = False
         try:
             async with asyncio.timeout(SHUTDOWN_RESUME_SECONDS):
                 failed = _failed(await self._resume())

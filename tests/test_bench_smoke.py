@@ -24,7 +24,7 @@ BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 @pytest.fixture(autouse=True)
 def forked_services(monkeypatch: pytest.MonkeyPatch) -> None:
     """The benches' `python -m service ...` processes (serve, sim-worker) fork from this test
-    process's zygote, without their imports: the smoke runs start about forty."""
+    process's zygote, without their imports: the smoke runs start dozens."""
     import bench.common
 
     exec_launch = bench.common.launch

@@ -8,8 +8,9 @@ its CPU from 851 to 679 s and its wall from 9:15 to 7:25 (the whole suite, this 
 Only what a fork cannot reproduce goes the exec way: an environment whose variables read at import
 time (IMPORT_TIME_VARIABLES) differ from the zygote's. Run as `python -m tests.support.zygote`: it
 reads one JSON request a line on stdin and writes one JSON line on stdout per forked process
-({"pid"}) and per exit ({"exited", "returncode"} as subprocess reports it), and exits at stdin's
-end."""
+({"pid"}) and per exit ({"exited", "returncode"} as subprocess reports it, "cpu_seconds" of the
+process and its reaped children, which ForkedProcess keeps for whoever measures a test), and exits
+at stdin's end."""
 
 from __future__ import annotations
 

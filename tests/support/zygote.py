@@ -8,9 +8,8 @@ its CPU from 851 to 679 s and its wall from 9:15 to 7:25 (the whole suite, this 
 Only what a fork cannot reproduce goes the exec way: an environment whose variables read at import
 time (IMPORT_TIME_VARIABLES) differ from the zygote's. Run as `python -m tests.support.zygote`: it
 reads one JSON request a line on stdin and writes one JSON line on stdout per forked process
-({"pid"}) and per exit ({"exited", "returncode"} as subprocess reports it, "cpu_seconds" of the
-process and its reaped children, which ForkedProcess keeps for whoever measures a test), and exits
-at stdin's end."""
+({"pid"}) and per exit ({"exited", "returncode"} as subprocess reports it), and exits at stdin's
+end."""
 
 from __future__ import annotations
 
@@ -25,9 +24,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-# What the zygote imports before it forks: what `python -m service serve` imports on its way to
-# serving (service.supervisor's PRELOADED_MODULES), and the command line itself.
-PRELOADED_MODULES = ("service.__main__", "service.serving", "transformers.models.auto.tokenization_auto")
+from service import supervisor
+
+# What the zygote imports before it forks: the command line, and what every service process imports
+# before it serves (as `serve --workers`' forkserver preloads it).
+PRELOADED_MODULES = ("service.__main__", *supervisor.PRELOADED_MODULES)
 # Environment variables read while those modules import (the interpreter's own, Hugging Face's and
 # prometheus_client's multiprocess mode): a process whose environment differs in any of them is
 # exec'd, not forked.
@@ -118,19 +119,17 @@ def serve_forks() -> None:
                 if pid == 0:
                     _run_child(request)
                 _write({"pid": pid})
-        _reap()
 
 
 def _reap() -> None:
     while True:
         try:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        cpu_seconds = usage.ru_utime + usage.ru_stime
-        _write({"exited": pid, "returncode": _exit_code(status), "cpu_seconds": cpu_seconds})
+        _write({"exited": pid, "returncode": _exit_code(status)})
 
 
 # The tests' side.
@@ -143,7 +142,6 @@ class ForkedProcess:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
-        self.cpu_seconds: float | None = None  # its own and its reaped children's, once it exited
         self.exited = threading.Event()
 
     def poll(self) -> int | None:
@@ -197,7 +195,6 @@ class Zygote:
                     self.answered.notify_all()
                 elif (process := self.forked.get(message["exited"])) is not None:
                     process.returncode = message["returncode"]
-                    process.cpu_seconds = message["cpu_seconds"]
                     process.exited.set()
                 else:
                     self.early_exits[message["exited"]] = message["returncode"]

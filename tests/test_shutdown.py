@@ -17,6 +17,7 @@ from service.storage.db import Database
 from service.storage.models import Episode
 from tests.support.contract import assert_trainer_contract, sim_calls
 from tests.support.service_process import (
+    PLAN_TO_THE_END,
     attempts_seen,
     episodes_of,
     service_process,
@@ -51,7 +52,7 @@ async def test_sigterm_releases_unfinished_episodes_after_the_timeout(
     database_url: str, db: Database, tmp_path: Path
 ) -> None:
     shutdown_timeout = 1.0
-    async with simulated_sglang(latency_seconds=0.6) as (sim, sglang_url):
+    async with simulated_sglang(latency_seconds=0.6, **PLAN_TO_THE_END) as (sim, sglang_url):
         async with service_process(
             tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=shutdown_timeout,
             max_running_episodes=4,
@@ -59,7 +60,7 @@ async def test_sigterm_releases_unfinished_episodes_after_the_timeout(
             episode_ids = await submit(first.url, "drain", TASKS, SAMPLES)
 
             async def mid_batch() -> bool:
-                # Some episodes done, and one with 3+ turns (> the shutdown timeout) still to go.
+                # Some episodes done, and one in its second call: its plan's 3 more (> the timeout) to go.
                 episodes = await episodes_of(db, "drain")
                 early = {r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":1")} - {
                     r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":2")

@@ -32,6 +32,7 @@ from service.supervisor import host_metrics, process_settings
 from tests.support.contract import assert_trainer_contract, sim_calls
 from tests.support.ports import free_port
 from tests.support.service_process import (
+    PLAN_TO_THE_END,
     REPO_DIR,
     SERVICE_ENV,
     ServiceProcess,
@@ -153,7 +154,7 @@ async def test_sigterm_to_the_parent_drains_every_process(
     database_url: str, db: Database, tmp_path: Path
 ) -> None:
     shutdown_timeout = 1.0
-    async with simulated_sglang(latency_seconds=0.6) as (sim, sglang_url):
+    async with simulated_sglang(latency_seconds=0.6, **PLAN_TO_THE_END) as (sim, sglang_url):
         async with service_process(
             tmp_path, database_url, sglang_url, "first", shutdown_timeout_seconds=shutdown_timeout, **SETTINGS
         ) as first:  # fmt: skip
@@ -161,7 +162,7 @@ async def test_sigterm_to_the_parent_drains_every_process(
             episode_ids = await submit(first.url, "drain", 8, SAMPLES)
 
             async def mid_batch() -> bool:
-                # Both processes run episodes, one of which has 3+ turns (> the timeout) to go.
+                # Both processes run episodes, one in its second call: its plan's 3 more (> the timeout) left.
                 running = [e for e in await episodes_of(db, "drain") if e.status == "running"]
                 early = {r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":1")} - {
                     r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":2")

@@ -42,9 +42,15 @@ SERVICE_ENV: dict[str, object] = {
 }
 
 
+# The sim's mistakes that end an episode before its task's plan does: a malformed tool call aborts
+# it, a rambling turn is cut by max_new_tokens and truncates it. A test that needs an episode mid-way
+# to have its plan's turns still to go turns them off (the shutdown tests: a drain must outlast one).
+PLAN_TO_THE_END = {"malformed_call_rate": 0.0, "ramble_rate": 0.0}
+
+
 @asynccontextmanager
-async def simulated_sglang(latency_seconds: float) -> AsyncIterator[tuple[SimWorker, str]]:
-    worker = SimWorker(SimConfig(latency_seconds=latency_seconds))
+async def simulated_sglang(latency_seconds: float, **config: Any) -> AsyncIterator[tuple[SimWorker, str]]:
+    worker = SimWorker(SimConfig(latency_seconds=latency_seconds, **config))
     with serve_in_thread(create_sim_app(worker.config, worker=worker)) as url:
         yield worker, url
 

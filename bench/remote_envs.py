@@ -16,6 +16,9 @@ Reported:
   per env call (`first_round` within);
 - `baseline_thread` / `baseline_process`: the same episodes against the same env logic run by
   EnvHost (thread executor: the env's own CPU counted here; process executor: in its workers);
+- `baseline_bare_client`: the same episodes through openenv-core's own client (GenericEnvClient,
+  a WebSocket session each, kept between episodes as RemoteEnvs keeps its): what the protocol
+  costs any client of it in this process, the floor under `remote`;
 - `cpu_ratio_vs_*`: the steady state's ratio, the goal's; `first_round_cpu_ratio_vs_*`: the first
   round's;
 - `overhead`: sequential steps on one session, p50 through RemoteEnvs vs openenv-core's bare
@@ -140,6 +143,49 @@ async def baseline_run(executor: str, episodes: int, rounds: int) -> dict[str, A
         await host.close()
 
 
+class BareClients:
+    """openenv-core's client in `episode`'s place: a session (one GenericEnvClient) per episode in
+    flight, opened on the servers in turn and kept for the next episode."""
+
+    def __init__(self, servers: list[EnvServer]) -> None:
+        self.urls = [server.url for server in servers]
+        self.idle: list[GenericEnvClient] = []
+        self.opened: list[GenericEnvClient] = []
+
+    async def open(self, env: str, split: str, key: str) -> BareSession:
+        if not self.idle:
+            client = GenericEnvClient(base_url=self.urls[len(self.opened) % len(self.urls)])
+            self.opened.append(client)
+            self.idle.append(client)
+        return BareSession(self, self.idle.pop())
+
+    async def close(self) -> None:
+        await asyncio.gather(*(client.close() for client in self.opened))
+
+
+class BareSession:
+    def __init__(self, clients: BareClients, client: GenericEnvClient) -> None:
+        self.clients, self.client = clients, client
+
+    async def reset(self, index: int) -> None:
+        await self.client.reset(task_index=index)
+
+    async def step(self, action: Action) -> Any:
+        return await self.client.step(CallToolAction(tool_name=action.name, arguments=action.kwargs))
+
+    async def close(self) -> None:
+        self.clients.idle.append(self.client)
+
+
+async def bare_run(servers: list[EnvServer], episodes: int, rounds: int) -> dict[str, Any]:
+    clients = BareClients(servers)
+    try:
+        first_round = await run_batch(clients, episodes)
+        return await run_batch(clients, episodes, rounds) | {"first_round": first_round}
+    finally:
+        await clients.close()
+
+
 async def overhead(server: EnvServer, steps: int) -> dict[str, Any]:
     envs = RemoteEnvs([remote_config([server], 4)], local=None)  # type: ignore[arg-type]
     ours: list[float] = []
@@ -220,14 +266,15 @@ async def main_async(episodes: int, rounds: int, kill_episodes: int, steps: int)
         report["remote"] = await remote_run(servers, episodes, rounds)
         report["baseline_thread"] = await baseline_run("thread", episodes, rounds)
         report["baseline_process"] = await baseline_run("process", episodes, rounds)
+        report["baseline_bare_client"] = await bare_run(servers, episodes, rounds)
         report["overhead"] = await overhead(servers[1], steps)
         report["kill"] = await kill_run(servers, kill_episodes)
     for prefix, part in (("", None), ("first_round_", "first_round")):
         cpu = {
             name: (report[name][part] if part else report[name])["cpu_ms_per_env_call"]
-            for name in ("remote", "baseline_thread", "baseline_process")
+            for name in ("remote", "baseline_thread", "baseline_process", "baseline_bare_client")
         }
-        for baseline in ("thread", "process"):
+        for baseline in ("thread", "process", "bare_client"):
             report[f"{prefix}cpu_ratio_vs_{baseline}"] = round(cpu["remote"] / cpu[f"baseline_{baseline}"], 3)
     report["load_average_at_end"] = list(os.getloadavg())
     return report

@@ -22,9 +22,9 @@ PYTEST_RERUNS ?= 2
 
 .PHONY: install demo demo-vllm test lint pytest test-verifiers openapi docs bench serve clean
 
-# The virtualenvs are installed by uv (itself from PyPI, into the venv): the same versions pip resolves
-# (one differed, contourpy, which pip took from a newer Python), in 26-38 s on this machine where pip
-# took 57-63 s, most of it waiting on the index. Bytecode is compiled at install as pip does (the
+# The virtualenvs are installed by uv (itself from PyPI, into the venv): the versions pip resolved
+# (compared package by package on one install), in 26-38 s on this machine where pip took 57-63 s,
+# most of it waiting on the index. Bytecode is compiled at install as pip does (the
 # suite turns warnings into errors, and one dependency's source warns as it compiles). uv reads its own
 # settings, not pip.conf: behind a package mirror, set UV_DEFAULT_INDEX.
 UV_VERSION := 0.13.9

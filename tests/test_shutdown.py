@@ -20,6 +20,7 @@ from tests.support.service_process import (
     PLAN_TO_THE_END,
     attempts_seen,
     episodes_of,
+    in_second_call,
     service_process,
     simulated_sglang,
     submit,
@@ -62,9 +63,7 @@ async def test_sigterm_releases_unfinished_episodes_after_the_timeout(
             async def mid_batch() -> bool:
                 # Some episodes done, and one in its second call: its plan's 3 more (> the timeout) to go.
                 episodes = await episodes_of(db, "drain")
-                early = {r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":1")} - {
-                    r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":2")
-                }
+                early = in_second_call(sim)
                 return any(episode.status in FINISHED_STATUSES for episode in episodes) and any(
                     episode.status == "running" and episode.id in early for episode in episodes
                 )

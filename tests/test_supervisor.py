@@ -38,6 +38,7 @@ from tests.support.service_process import (
     ServiceProcess,
     attempts_seen,
     episodes_of,
+    in_second_call,
     service_process,
     simulated_sglang,
     submission,
@@ -164,9 +165,7 @@ async def test_sigterm_to_the_parent_drains_every_process(
             async def mid_batch() -> bool:
                 # Both processes run episodes, one in its second call: its plan's 3 more (> the timeout) left.
                 running = [e for e in await episodes_of(db, "drain") if e.status == "running"]
-                early = {r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":1")} - {
-                    r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":2")
-                }
+                early = in_second_call(sim)
                 owners = {pid_of(e.lease_owner) for e in running if e.lease_owner is not None}
                 return owners == set(children) and any(e.id in early for e in running)
 

@@ -169,6 +169,13 @@ async def wait_batch_finished(db: Database, batch_id: str, timeout: float) -> li
     return await episodes_of(db, batch_id)
 
 
+def in_second_call(sim: SimWorker) -> set[str]:
+    """Episodes whose second generate call went out and their third not yet (rid "<id>:<attempt>:<turn>"):
+    with PLAN_TO_THE_END, each has its plan's 3 more calls to go."""
+    second = {r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":1")}
+    return second - {r.rid.split(":")[0] for r in sim.requests if r.rid.endswith(":2")}
+
+
 def attempts_seen(sim: SimWorker, episode_id: str) -> set[int]:
     """The attempts of an episode that sent at least one generate call (rid "<id>:<attempt>:<turn>")."""
     return {int(r.rid.split(":")[1]) for r in sim.requests if r.rid.startswith(f"{episode_id}:")}

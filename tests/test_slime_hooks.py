@@ -31,6 +31,7 @@ from tests.support.tokenizer import fresh_test_tokenizer
 sys.path.insert(0, str(Path(__file__).parent / "slime_standin"))
 
 from rollout_client import slime as hooks
+from rollout_client.steps import ServiceConfig
 from slime.rollout.data_source import RolloutDataSource
 from slime.utils.types import Sample
 
@@ -74,6 +75,13 @@ async def service(
             monkeypatch.setenv("ROLLOUT_MAX_TURNS", "10")
             monkeypatch.delenv("ROLLOUT_RUN_ID", raising=False)
             yield url, worker
+            # The hooks keep one client per event loop (slime runs them on one loop for its whole
+            # process); each test has a loop of its own, closed after it, so the test's client is
+            # closed first: its connections were left open in the closed loop, for the garbage
+            # collector to find (ResourceWarning) during a later test.
+            config = ServiceConfig.from_env(adapter="slime")
+            await hooks._async_client(asyncio.get_running_loop(), config.url, config.api_key).close()
+            hooks._async_client.cache_clear()
 
 
 @pytest.fixture(scope="module")

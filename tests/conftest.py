@@ -360,6 +360,7 @@ class _RerunTracebacks:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_LongTestsFirst(), "rollout-long-tests-first")
+    config.pluginmanager.import_plugin("tests.support.open_connections")
     if hasattr(config, "workerinput"):
         if config.getvalue("loadgroup"):
             config.pluginmanager.register(_GroupInNodeId(), "rollout-xdist-group-in-node-id")

@@ -24,7 +24,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay
 from service.envs.base import DriveOutcome, DriveRequest
 from service.envs.errors import EnvError, EnvWorkerCrashed
 from service.records import DEADLINE_NOTE, Ending, EpisodeResult, EpisodeSpec, EpisodeStatus
-from service.retries import backoff
+from service.retries import backoff, first_then_retrying
 from service.storage.db import Database
 from service.storage.driven import HandedOver, hand_to_agent
 from service.storage.errors import is_refused, is_transient
@@ -152,22 +152,15 @@ class DrivingRunner:
 
     async def _finish_with_retries(self, episode_id: str, token: str, ending: Ending) -> None:
         """Through a database outage, as the worker holds a result (past FINISH_RETRY_SECONDS the
-        error goes to the worker, which stores the episode failed with it, never rewarded). The
-        first try goes without tenacity, as the worker's writes do (EpisodeWorker._with_retries):
-        its retrying object, built for every finish, was 0.6% of the service's CPU of agent-driven
-        episodes (bench/verifiers_envs.py --profile), and garbage in reference cycles."""
-        try:
-            await self.finish(episode_id, ending, token)
-            return
-        except Exception as error:
-            if not is_transient(error):
-                raise
-        retrying = AsyncRetrying(
-            retry=retry_if_exception(is_transient),
-            wait=backoff(FINISH_BACKOFF_SECONDS, FINISH_BACKOFF_MAX_SECONDS),
-            stop=stop_after_delay(FINISH_RETRY_SECONDS),
-            reraise=True,
-        )
-        async for attempt in retrying:
-            with attempt:
-                await self.finish(episode_id, ending, token)
+        error goes to the worker, which stores the episode failed with it, never rewarded). Its
+        retrying object is built only if the first try fails (first_then_retrying)."""
+
+        def retrying() -> AsyncRetrying:
+            return AsyncRetrying(
+                retry=retry_if_exception(is_transient),
+                wait=backoff(FINISH_BACKOFF_SECONDS, FINISH_BACKOFF_MAX_SECONDS),
+                stop=stop_after_delay(FINISH_RETRY_SECONDS),
+                reraise=True,
+            )
+
+        await first_then_retrying(lambda: self.finish(episode_id, ending, token), retrying)

@@ -25,7 +25,7 @@ from service.engine.status import EngineStatus
 from service.logs import EPISODE_LOG_FIELDS
 from service.loop.driven import Runner
 from service.records import EpisodeResult
-from service.retries import backoff, failed_attempt
+from service.retries import backoff, failed_attempt, first_then_retrying
 from service.storage import agents, engine_state, queue
 from service.storage.db import Database
 from service.storage.errors import is_refused, is_transient
@@ -276,34 +276,23 @@ class EpisodeWorker:
         it as soon as the database answers, and no sweep re-queues leases that expired during an
         outage (see _sweep_loop). Only a transient error is retried; any other is raised.
 
-        The first try goes without tenacity: a retrying object and its closures form reference
-        cycles, garbage that, built for every episode's writes, held each claim until a full
-        collection (rare under TUNE_GC) and grew the soak's RSS (docs/benchmarks.md)."""
-        episode_id = claim.id  # not the claim: the closure below must not hold it
-        try:
-            return await write()
-        except Exception as error:
-            if not is_transient(error):
-                raise
-            self.database.status.failed(error)
-            logger.warning("writing episode %s failed (%s); retrying", episode_id, error)
+        Its retrying object is built only if the first try fails (first_then_retrying)."""
+        episode_id = claim.id  # not the claim: the closures below must not hold it
 
-        def failed(state: RetryCallState) -> None:
-            error, delay = failed_attempt(state)
-            self.database.status.failed(error)
-            logger.warning("writing episode %s failed (%s); retry in %.1f s", episode_id, error, delay)
+        def retrying() -> AsyncRetrying:
+            def failed(state: RetryCallState) -> None:
+                error, delay = failed_attempt(state)
+                self.database.status.failed(error)
+                logger.warning("writing episode %s failed (%s); retry in %.1f s", episode_id, error, delay)
 
-        retrying = AsyncRetrying(
-            wait=backoff(STORE_BACKOFF_SECONDS, STORE_BACKOFF_MAX_SECONDS),
-            retry=retry_if_exception(is_transient),
-            before_sleep=failed,
-            reraise=True,
-        )
+            return AsyncRetrying(
+                wait=backoff(STORE_BACKOFF_SECONDS, STORE_BACKOFF_MAX_SECONDS),
+                retry=retry_if_exception(is_transient),
+                before_sleep=failed,
+                reraise=True,
+            )
 
-        async def attempt() -> T:  # tenacity awaits only what a coroutine function returns
-            return await write()
-
-        return await retrying(attempt)
+        return await first_then_retrying(write, retrying)
 
     def _round_failed(self, what: str, error: Exception) -> None:
         """A round of a background loop failed; the loop goes on. An outage is recorded (/health

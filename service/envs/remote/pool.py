@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tenacity import AsyncRetrying, RetryError, retry_if_exception_type, stop_after_attempt
 
 from service.envs.remote.errors import EnvServerDown
-from service.retries import backoff
+from service.retries import backoff, first_then_retrying
 
 if TYPE_CHECKING:
     from service.envs.remote.config import RemoteEnvConfig
@@ -289,29 +289,20 @@ class ServerPool:
                     tried.add(server.url)
                 raise
 
-        # The first try goes without tenacity: a retrying object built and iterated per episode
-        # was 9% of the service's CPU per env call over kept sessions (py-spy, 300 in flight).
+        def retrying() -> AsyncRetrying:
+            return AsyncRetrying(
+                stop=stop_after_attempt(retries + 1),
+                wait=backoff(backoff_seconds, PLACEMENT_BACKOFF_MAX_SECONDS),
+                retry=retry_if_exception_type(EnvServerDown),
+            )
+
         try:
-            return await placed()
-        except EnvServerDown as error:
-            first_failure = error
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(retries + 1),
-            wait=backoff(backoff_seconds, PLACEMENT_BACKOFF_MAX_SECONDS),
-            retry=retry_if_exception_type(EnvServerDown),
-        )
-        try:
-            async for trying in retrying:
-                with trying:
-                    if trying.retry_state.attempt_number == 1:
-                        raise first_failure  # the first try's, for tenacity to count and wait on
-                    return await placed()
+            return await first_then_retrying(placed, retrying)
         except RetryError as failed:
             raise EnvServerDown(
                 f"no server of {self.env!r} took the episode after {retries + 1} tries; "
                 f"last: {failed.last_attempt.exception()}; {self.describe()}"
             ) from None
-        raise AssertionError("unreachable: the retrying returns the attempt's result or raises")
 
     # ---- Health checks. ----
 

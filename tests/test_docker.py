@@ -550,7 +550,9 @@ def test_dependencies_are_installed_before_the_source_is_copied() -> None:
     builder, runtime = stages()
     copies = [ins for ins in builder if ins.keyword == "COPY"]
     assert [c.args for c in copies] == ["pyproject.toml docker/export_requirements.py ./"]
-    install = next(i for i in builder if i.keyword == "RUN" and "pip install -r requirements.txt" in i.args)
+    install = next(
+        i for i in builder if i.keyword == "RUN" and "uv pip install --quiet -r requirements.txt" in i.args
+    )
     assert copies[0].line < install.line
     runtime_copies = [ins for ins in runtime if ins.keyword == "COPY"]
     assert runtime_copies[0].flags == {"from": "builder"} and runtime_copies[0].args == "/opt/venv /opt/venv"
@@ -649,6 +651,10 @@ def _expand(value: str, env: dict[str, str]) -> str:
 
 # RUN steps that change the machine itself (system users, Debian packages) are not replayed.
 SYSTEM_COMMANDS = ("useradd", "groupadd", "apt-get")
+# The image's ENV settings the replay leaves out: the image keeps no download cache (a rerun of the
+# test may); it compiles its dependencies' bytecode as it installs them, which the replay's checks
+# (what is installed, and that it runs) do not need: half the install's CPU.
+REPLAY_DROPS = {"PIP_NO_CACHE_DIR", "UV_NO_CACHE", "UV_COMPILE_BYTECODE"}
 
 
 class StageReplay:
@@ -673,7 +679,7 @@ class StageReplay:
                     self.env[name] = _expand(value, self.env)
                     if name == "VIRTUAL_ENV":  # the venv lives under the stand-in root
                         self.env[name] = str(self.path(self.env[name]))
-                    if name == "PIP_NO_CACHE_DIR":  # the image keeps no cache; a test rerun may
+                    if name in REPLAY_DROPS:
                         del self.env[name]
             elif ins.keyword == "SHELL":
                 self.shell = list(ins.value)
@@ -725,15 +731,16 @@ def test_replay_the_image_build_then_migrate_serve_and_healthcheck(tmp_path: Pat
     shim.mkdir()
     (shim / "python").symlink_to(getattr(sys, "_base_executable", sys.executable))
     base_env = {"HOME": str(tmp_path / "home"), "LANG": "C.UTF-8", "PATH": f"{shim}:/usr/bin:/bin"}
-    for key in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "SSL_CERT_FILE", "PIP_CERT"):
+    for key in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "SSL_CERT_FILE", "PIP_CERT",
+                "UV_DEFAULT_INDEX", "UV_INDEX", "UV_INDEX_URL", "UV_EXTRA_INDEX_URL"):  # fmt: skip
         if key in os.environ:
             base_env[key] = os.environ[key]
-    # Keep pip's download cache between runs of this test (the image build sets PIP_NO_CACHE_DIR).
-    base_env["PIP_CACHE_DIR"] = str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pip")
-    # The image compiles its dependencies' bytecode as pip installs them; the replay checks what is
-    # installed and that it runs, which the bytecode does not change: half the install's CPU (51 s
-    # -> 25 s at a load average of 15). pip reads `--compile` from PIP_COMPILE (PIP_NO_COMPILE=1
-    # means compile: pip's environment values set the option's destination, which is `compile`).
+    # Keep the download caches between runs of this test (the image build keeps none): uv's is the
+    # one `make install` filled.
+    caches = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    base_env["PIP_CACHE_DIR"], base_env["UV_CACHE_DIR"] = str(caches / "pip"), str(caches / "uv")
+    # pip reads `--compile` from PIP_COMPILE (PIP_NO_COMPILE=1 means compile: pip's environment
+    # values set the option's destination, which is `compile`).
     base_env["PIP_COMPILE"] = "false"
     image = tmp_path / "image"
     build = StageReplay(image, dict(base_env))
@@ -742,7 +749,8 @@ def test_replay_the_image_build_then_migrate_serve_and_healthcheck(tmp_path: Pat
     venv = Path(build.env["VIRTUAL_ENV"])
     py = venv / "bin" / "python"
     assert py.exists()
-    assert not list(venv.glob("lib/python3*/site-packages/sqlalchemy/__pycache__"))  # PIP_COMPILE held
+    assert not list(venv.glob("lib/python3*/site-packages/sqlalchemy/__pycache__"))  # REPLAY_DROPS held
+    assert not (venv / "bin" / "uv").exists(), "the installer stays in the builder"
     run = StageReplay(image, dict(base_env))
     run.run(runtime, {})
     assert (image / "app" / "service" / "config.py").exists()

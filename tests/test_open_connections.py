@@ -1,4 +1,4 @@
-"""The suite's guard against connections left open in a closed event loop
+"""The suite's guard against connections and tasks left open in a closed event loop
 (tests/support/open_connections.py): the test that leaves one fails, naming it; one that closes its
 connections passes."""
 
@@ -26,6 +26,13 @@ def test_leaves_one_open() -> None:
         loop.close()
 
 
+def test_leaves_a_task_pending() -> None:
+    loop = asyncio.new_event_loop()
+    loop.create_task(asyncio.sleep(60), name="sleeper")
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+
+
 def test_closes_its_own() -> None:
     with served() as server:
         loop = asyncio.new_event_loop()
@@ -40,7 +47,7 @@ def test_closes_its_own() -> None:
 """
 
 
-def test_a_connection_left_open_in_a_closed_loop_fails_the_test_that_left_it(tmp_path: Path) -> None:
+def test_what_a_closed_loop_left_open_fails_the_test_that_left_it(tmp_path: Path) -> None:
     (tmp_path / "test_loops.py").write_text(TESTS)
     command = [sys.executable, "-m", "pytest", "-p", "tests.support.open_connections",
                "-p", "no:cacheprovider", "-W", "ignore::ResourceWarning", "-c", os.devnull,
@@ -57,6 +64,9 @@ def test_a_connection_left_open_in_a_closed_loop_fails_the_test_that_left_it(tmp
     assert run.returncode == 1, run.stdout + run.stderr
     assert "ERROR test_loops.py::test_leaves_one_open" in run.stdout, run.stdout
     assert "PASSED test_loops.py::test_closes_its_own" in run.stdout, run.stdout
-    assert "an event loop was closed with connections still open in it" in run.stdout
+    assert "an event loop was closed with this still open in it" in run.stdout
+    assert "ERROR test_loops.py::test_leaves_a_task_pending" in run.stdout, run.stdout
+    assert "a task still pending, during test_loops.py::test_leaves_a_task_pending" in run.stdout
+    assert "name='sleeper'" in run.stdout
     assert "opened during test_loops.py::test_leaves_one_open" in run.stdout
     assert "test_loops.py:13 in test_leaves_one_open" in run.stdout, run.stdout

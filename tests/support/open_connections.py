@@ -9,7 +9,8 @@ tests/test_slime_hooks.py was one: kept per event loop, its connections stayed o
 closed loop.)
 
 It watches asyncio's selector event loops (pytest-asyncio's, and any a test makes); uvloop's are
-not (the suite's loops are asyncio's). Registered by tests/conftest.py.
+not (the benches' smoke tests run theirs, in the test's process, on uvloop). Registered by
+tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def _watch() -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     """Fails the test's teardown (after its fixtures' own, which close its loop) if a loop closed
-    during the test with a connection of it still open."""
+    during the test with a connection or a task of it still open."""
     yield
     if _left_open:
         found = "\n".join(_left_open)

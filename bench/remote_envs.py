@@ -20,7 +20,7 @@ Reported:
   a WebSocket session each, kept between episodes as RemoteEnvs keeps its): what the protocol
   costs any client of it in this process, the floor under `remote`;
 - `cpu_ratio_vs_*`: the steady state's ratio, the goal's; `first_round_cpu_ratio_vs_*`: the first
-  round's;
+  round's; null where either run had errors (its CPU is not that of the same episodes);
 - `overhead`: sequential steps on one session, p50 through RemoteEnvs vs openenv-core's bare
   client on the same server (what this layer adds per call), and vs the server's own handler
   time per message (the example server's middleware: receipt to answer), goal <= 2 ms;
@@ -270,12 +270,19 @@ async def main_async(episodes: int, rounds: int, kill_episodes: int, steps: int)
         report["overhead"] = await overhead(servers[1], steps)
         report["kill"] = await kill_run(servers, kill_episodes)
     for prefix, part in (("", None), ("first_round_", "first_round")):
-        cpu = {
-            name: (report[name][part] if part else report[name])["cpu_ms_per_env_call"]
+        runs = {
+            name: report[name][part] if part else report[name]
             for name in ("remote", "baseline_thread", "baseline_process", "baseline_bare_client")
         }
         for baseline in ("thread", "process", "bare_client"):
-            report[f"{prefix}cpu_ratio_vs_{baseline}"] = round(cpu["remote"] / cpu[f"baseline_{baseline}"], 3)
+            against = runs[f"baseline_{baseline}"]
+            # A run whose episodes failed measured something else: no ratio. (At load 9, openenv-core's
+            # client, with its keepalive pings, lost every session to a ping timeout in the first
+            # round, and then failed the next 4,000 episodes in 0.9 s.)
+            ratio = None
+            if not (runs["remote"]["errors"] or against["errors"]):
+                ratio = round(runs["remote"]["cpu_ms_per_env_call"] / against["cpu_ms_per_env_call"], 3)
+            report[f"{prefix}cpu_ratio_vs_{baseline}"] = ratio
     report["load_average_at_end"] = list(os.getloadavg())
     return report
 

@@ -308,4 +308,5 @@ def test_remote_envs_quick(capsys: pytest.CaptureFixture[str]) -> None:
     # The baselines run the same episodes without error: the process one's env workers import the
     # env's class whatever name the bench was loaded under here.
     assert report["baseline_thread"]["errors"] == 0 == report["baseline_process"]["errors"]
+    assert report["cpu_ratio_vs_process"] is not None and report["cpu_ratio_vs_process"] > 0
     assert report["kill"]["lost"] == 0 and report["kill"]["reward_1"] == report["kill"]["episodes"]

@@ -19,7 +19,8 @@ from service.envs.errors import (
     EnvWorkerCrashed,
 )
 from service.envs.host import EnvHost
-from tests.support.envs import SLOW_BUILD_SECONDS, TEST_ENVS
+from tests.support.envs import TEST_ENVS
+from tests.support.polling import until
 
 WHOAMI = Action("whoami", {})
 
@@ -119,14 +120,24 @@ async def test_calls_of_one_env_run_one_at_a_time_in_order(host: EnvHost) -> Non
     await session.close()
 
 
+async def orphans_dropped(host: EnvHost) -> None:
+    """Until an open its caller gave up on has been built and dropped. The build finishes in the
+    worker anyway, whenever the worker gets to it (not within a fixed time: a worker process started
+    for the test, on a loaded machine, had not built it 0.8 s later), then the host drops what it
+    built, submitting the drop as the build's answer arrives, a step of the event loop after it:
+    so, no call in flight twice in a row."""
+    for _ in range(2):
+        await until(lambda: host.calls_in_flight() == 0, timeout_seconds=60)
+        await asyncio.sleep(0.01)
+
+
 async def test_cancel_during_open_leaves_no_env_behind(host: EnvHost) -> None:
     opening = asyncio.create_task(host.open("test/slow", "train", "ep"))
     await asyncio.sleep(0.1)
     opening.cancel()
     with pytest.raises(asyncio.CancelledError):
         await opening
-    # The build finishes in the worker anyway; then the host drops what it built.
-    await asyncio.sleep(SLOW_BUILD_SECONDS + 0.3)
+    await orphans_dropped(host)
     assert await host.open_envs() == 0
     session = await host.open("test/probe", "train", "ep2")
     assert await host.open_envs() == 1
@@ -141,14 +152,9 @@ async def test_timed_out_open_leaves_no_env_behind(executor: str) -> None:
             EnvError, match=r"open of 'test/slow' for episode 'ep' did not return within 0.1 s"
         ):
             await env_host.open("test/slow", "train", "ep")
-        # The orphan is dropped once its build ends: counted under no short timeout, until a
-        # deadline well past the build (a loaded machine is slow, and this is no timing test).
-        env_host.call_timeout_seconds = 60
-        deadline = time.monotonic() + SLOW_BUILD_SECONDS + 30
-        await asyncio.sleep(SLOW_BUILD_SECONDS + 0.3)
-        while (count := await env_host.open_envs()) and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.1)
-        assert count == 0
+        env_host.call_timeout_seconds = 60  # the count, under no short timeout
+        await orphans_dropped(env_host)
+        assert await env_host.open_envs() == 0
     finally:
         await env_host.close()
 

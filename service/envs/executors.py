@@ -51,6 +51,10 @@ class EnvExecutor(Protocol):
     def pid(self) -> int | None:
         """The process the calls run in; None for this process."""
 
+    @property
+    def calls(self) -> int:
+        """Calls submitted and not answered yet."""
+
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Starts fn(*args); the future holds its result, or an EnvHostError (EnvError for an
         exception of the call itself)."""
@@ -111,6 +115,10 @@ class EnvThreadPool:
         self._idle: list[None] = []
         self._pending: set[asyncio.Future[Any]] = set()
         self._stopping = False
+
+    @property
+    def calls(self) -> int:
+        return len(self._pending)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         if self._stopping:
@@ -211,6 +219,10 @@ class WorkerProcess:
         self.pid: int | None = self.process.pid
         threading.Thread(target=self._read, name=f"{name} reader", daemon=True).start()
         threading.Thread(target=self._write, name=f"{name} writer", daemon=True).start()
+
+    @property
+    def calls(self) -> int:
+        return len(self._pending)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Sends fn(*args) to the worker (fn must be a module-level function)."""

@@ -207,6 +207,12 @@ class EnvHost:
         probes = [self.submit(w, child.env_count, f"{self._id}:") for w in executors]
         return sum(await asyncio.gather(*(self.outcome(p, "env count") for p in probes)))
 
+    def calls_in_flight(self) -> int:
+        """Calls this host's workers have not answered yet, those nobody awaits included (the build
+        of an open its caller gave up on, then the close that drops what it built)."""
+        executors = {id(w.executor): w.executor for w in self._live_workers()}.values()
+        return sum(executor.calls for executor in executors)
+
     # ---- Calls (the API sessions use: session.EnvCalls). ----
 
     def submit(self, worker: EnvWorker, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:

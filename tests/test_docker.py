@@ -653,7 +653,7 @@ def _expand(value: str, env: dict[str, str]) -> str:
 SYSTEM_COMMANDS = ("useradd", "groupadd", "apt-get")
 # The image's ENV settings the replay leaves out: the image keeps no download cache (a rerun of the
 # test may); it compiles its dependencies' bytecode as it installs them, which the replay's checks
-# (what is installed, and that it runs) do not need: half the install's CPU.
+# (what is installed, and that it runs) do not need (with pip it was half the install's CPU).
 REPLAY_DROPS = {"PIP_NO_CACHE_DIR", "UV_NO_CACHE", "UV_COMPILE_BYTECODE"}
 
 

@@ -214,6 +214,9 @@ async def test_a_timed_out_tool_call_is_not_resent_and_fails_as_infrastructure(
         assert {call: n for call, n in sent.items() if n} == {"step": 1.0}  # sent once, never again
     finally:
         await envs.close()
+    # The server ends the session once its 3 s call is over: a test after this one on the same
+    # server (in a random-order run) counted it open.
+    await wait_closed(two_servers[:1])
 
 
 async def test_a_plain_answer_ends_the_episode_or_goes_to_the_respond_tool(
@@ -236,6 +239,7 @@ async def test_a_plain_answer_ends_the_episode_or_goes_to_the_respond_tool(
         await answered.close()
     finally:
         await envs.close()
+    await wait_closed(two_servers)
 
 
 async def test_a_server_killed_mid_batch_fails_its_episodes_as_retryable_and_leaves_placement(

@@ -110,6 +110,7 @@ async def test_the_action_tool_comes_from_the_servers_schema(guess_server: EnvSe
 async def test_a_session_is_kept_for_the_servers_next_episode_and_ends_when_idle(
     counter_server: EnvServer,
 ) -> None:
+    await wait_closed([counter_server])  # the server is the session's: it counts every test's sessions
     config = RemoteEnvConfig.model_validate(remote_config([counter_server], reuse_idle_seconds=0.5))
     envs = RemoteEnvs([config], local=None)  # type: ignore[arg-type]
     opened = counter_server.sessions()["opened"]

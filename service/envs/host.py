@@ -203,15 +203,15 @@ class EnvHost:
 
     async def open_envs(self) -> int:
         """How many environments this host's workers hold: one per open session, unless one leaked."""
-        executors = {id(w.executor): w for w in self._live_workers()}.values()
-        probes = [self.submit(w, child.env_count, f"{self._id}:") for w in executors]
+        probes = [
+            self.submit(w, child.env_count, f"{self._id}:") for w in _one_per_executor(self._live_workers())
+        ]
         return sum(await asyncio.gather(*(self.outcome(p, "env count") for p in probes)))
 
     def calls_in_flight(self) -> int:
         """Calls this host's workers have not answered yet, those nobody awaits included (the build
         of an open its caller gave up on, then the close that drops what it built)."""
-        executors = {id(w.executor): w.executor for w in self._live_workers()}.values()
-        return sum(executor.calls for executor in executors)
+        return sum(w.executor.calls for w in _one_per_executor(self._workers))
 
     # ---- Calls (the API sessions use: session.EnvCalls). ----
 
@@ -253,5 +253,10 @@ class EnvHost:
         if self._closed:
             return
         self._closed = True
-        executors = {id(w.executor): w.executor for w in self._workers}.values()
-        await asyncio.gather(*(executor.stop(self.shutdown_grace_seconds) for executor in executors))
+        workers = _one_per_executor(self._workers)
+        await asyncio.gather(*(w.executor.stop(self.shutdown_grace_seconds) for w in workers))
+
+
+def _one_per_executor(workers: list[EnvWorker]) -> list[EnvWorker]:
+    """One worker of each executor (the thread executor's worker slots share one pool)."""
+    return list({id(w.executor): w for w in workers}.values())

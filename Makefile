@@ -23,7 +23,7 @@ PYTEST_RERUNS ?= 2
 .PHONY: install demo demo-vllm test lint pytest test-verifiers openapi docs bench serve clean
 
 # The virtualenvs are installed by uv (itself from PyPI, into the venv): the versions pip resolved
-# (compared package by package on one install), in 26-38 s on this machine where pip took 57-63 s,
+# (compared package by package on one install), in 25-37 s on this machine where pip took 57-63 s,
 # most of it waiting on the index. Bytecode is compiled at install as pip does (the
 # suite turns warnings into errors, and one dependency's source warns as it compiles). uv reads its own
 # settings, not pip.conf: behind a package mirror, set UV_DEFAULT_INDEX.

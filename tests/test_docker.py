@@ -546,6 +546,12 @@ def test_dockerfile_is_multi_stage_slim_and_python_only() -> None:
     assert "apt-get install -y --no-install-recommends git" in " ".join(i.args for i in builder)
 
 
+def test_the_image_installs_with_the_uv_the_makefile_pins() -> None:
+    (pin,) = re.findall(r"^UV_VERSION := (\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    builder, _ = stages()
+    assert any(ins.keyword == "ARG" and ins.args == f"UV_VERSION={pin}" for ins in builder)
+
+
 def test_dependencies_are_installed_before_the_source_is_copied() -> None:
     builder, runtime = stages()
     copies = [ins for ins in builder if ins.keyword == "COPY"]

@@ -80,8 +80,10 @@ class CountingProxy:
         self.target = target
         self.traffic = Traffic()
         self.port = 0
-        self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._streams: set[asyncio.StreamWriter] = set()  # both ends of every connection open
         self._thread = threading.Thread(target=self._run, name="counting proxy", daemon=True)
 
     def __enter__(self) -> CountingProxy:
@@ -90,26 +92,43 @@ class CountingProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
 
     def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._accept, "127.0.0.1", 0))
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
-        self._loop.run_forever()
-        # Its listening socket and the loop's own, else left to the garbage collector: a
-        # ResourceWarning, which the suite counts as a failure of whichever test collects it.
+        await self._stop.wait()
+        # The service has stopped by now, but the proxy may not have read the end of each of its
+        # connections yet: what is still open is closed here, both ends, before the loop closes.
+        # Else the garbage collector closes it: a ResourceWarning, which the suite counts as a
+        # failure of whichever test collects it (tests/support/open_connections.py names this one).
         server.close()
-        self._loop.close()
+        streams = list(self._streams)
+        for stream in streams:
+            stream.close()
+        await asyncio.gather(*(stream.wait_closed() for stream in streams), return_exceptions=True)
+        await server.wait_closed()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
+        self._streams.add(writer)
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
+        except BaseException:
+            writer.close()
+            raise
+        self._streams.add(upstream_writer)
         self.traffic.connections += 1
         replies = asyncio.ensure_future(self._from_server(upstream_reader, writer))
         await self._from_client(reader, upstream_writer)
         await replies
+        self._streams -= {writer, upstream_writer}
 
     async def _from_server(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
         try:

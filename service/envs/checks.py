@@ -7,10 +7,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import orjson
+
 from service.envs.base import Reset, Step
 from service.text import unstorable
 
 MAX_INFO_DEPTH = 32  # nesting of info and transcript values: objects and arrays
+_PLAIN_SCALARS = frozenset({str, int, bool, type(None)})
 
 
 class EnvProtocolError(TypeError):
@@ -20,33 +23,79 @@ class EnvProtocolError(TypeError):
 
 def json_problem(value: Any, where: str, depth: int = 1) -> str | None:
     """Why `value` is not storable JSON, naming the first offending place; None if it is."""
+    if _plain(value, depth):
+        try:
+            orjson.dumps(value)  # every string and key is text (no lone surrogate), every key a str
+            return None
+        except TypeError:  # orjson.JSONEncodeError is one
+            pass
+    found = _first_problem(value, depth)
+    if found is None:
+        return None
+    problem, path = found
+    return f"{where}{''.join(reversed(path))} {problem}"
+
+
+def _plain(value: Any, depth: int) -> bool:
+    """Whether `value` holds JSON's own types alone (exactly dict, list, tuple, str, int, bool, None
+    and finite floats), nested at most MAX_INFO_DEPTH deep. With orjson's encode, which checks every
+    string and key, it is the fast way to the common answer, "nothing wrong", which every env call
+    and every env's start asks for. Written by hand for that: builtin/shop's tools (1.8 KB, 159
+    values) take 12 us this way against 126 us walked by _first_problem, at every episode's start."""
+    kind = type(value)
+    if kind is dict:
+        items: Any = value.values()
+    elif kind is list or kind is tuple:
+        items = value
+    else:
+        return kind in _PLAIN_SCALARS or (kind is float and math.isfinite(value))
+    if depth > MAX_INFO_DEPTH:
+        return False
+    for item in items:
+        kind = type(item)
+        if kind in _PLAIN_SCALARS:
+            continue
+        if kind is float:
+            if not math.isfinite(item):
+                return False
+        elif not ((kind is dict or kind is list or kind is tuple) and _plain(item, depth + 1)):
+            return False
+    return True
+
+
+def _first_problem(value: Any, depth: int) -> tuple[str, list[str]] | None:
+    """The first problem in `value` and the path to it, innermost step first (built on the way out,
+    for a value that has one). Taken when the fast way found something, or a subclass of a JSON
+    type, which this accepts as json.dumps writes it."""
     if value is None or isinstance(value, bool | int):
         return None
     if isinstance(value, str):
-        found = unstorable(value, column=False)
-        if found is None:
+        if (bad := unstorable(value, column=False)) is None:
             return None
-        return f"{where} holds a lone surrogate \\u{ord(found[2]):04x} (not Unicode text)"
+        return f"holds a lone surrogate \\u{ord(bad[2]):04x} (not Unicode text)", []
     if isinstance(value, float):
-        return None if math.isfinite(value) else f"{where} is {value!r}: only finite numbers are stored"
+        return None if math.isfinite(value) else (f"is {value!r}: only finite numbers are stored", [])
     if isinstance(value, dict | list | tuple):
         if depth > MAX_INFO_DEPTH:
-            return f"{where} is nested deeper than {MAX_INFO_DEPTH} levels"
+            return f"is nested deeper than {MAX_INFO_DEPTH} levels", []
         if isinstance(value, dict):
             for key, item in value.items():
                 if not isinstance(key, str):
-                    return f"{where} has a key {key!r} of type {type(key).__name__}: JSON keys are strings"
-                if (problem := json_problem(key, f"{where} key {key!r}", depth)) is not None:
-                    return problem
-                if (problem := json_problem(item, f"{where}[{key!r}]", depth + 1)) is not None:
-                    return problem
+                    return f"has a key {key!r} of type {type(key).__name__}: JSON keys are strings", []
+                if (found := _first_problem(key, depth)) is not None:
+                    found[1].append(f" key {key!r}")
+                    return found
+                if (found := _first_problem(item, depth + 1)) is not None:
+                    found[1].append(f"[{key!r}]")
+                    return found
             return None
         for index, item in enumerate(value):
-            if (problem := json_problem(item, f"{where}[{index}]", depth + 1)) is not None:
-                return problem
+            if (found := _first_problem(item, depth + 1)) is not None:
+                found[1].append(f"[{index}]")
+                return found
         return None
     kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    return f"{where} is a {kind}, not JSON (it is pickled to the service and stored as JSON)"
+    return f"is a {kind}, not JSON (it is pickled to the service and stored as JSON)", []
 
 
 def _check_common(value: Reset | Step, what: str) -> None:

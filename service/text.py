@@ -34,23 +34,31 @@ def replace_unstorable(text: str) -> str:
     return _SURROGATE_OR_NUL.sub("\ufffd", text)
 
 
-def all_finite(value: Any, max_depth: int = sys.maxsize) -> bool:
+def all_finite(value: Any, max_depth: int = sys.maxsize, *, json_types_only: bool = False) -> bool:
     """Whether no float in `value` is NaN or infinite and no dict, list or tuple in it nests deeper
     than `max_depth` levels (`value` itself is level 1). Only dicts, lists, tuples and floats of
     those exact types are looked at: parsed JSON has no subclass, and the JSON columns' writer
     hands a value with one to json.dumps. On hot paths: an agent's messages and tools at every call,
-    after orjson checked their text; a JSON column's value that orjson wrote with a null in it."""
-    return _all_finite(value, max_depth, 1)
+    after orjson checked their text; a JSON column's value that orjson wrote with a null in it.
+    With `json_types_only`, also whether every other value is exactly a str, int, bool or None:
+    with orjson's encode, which checks every string and key, that is storable JSON (the env
+    checks' fast way, service/envs/checks.py)."""
+    return _all_finite(value, max_depth, 1, _JSON_SCALARS if json_types_only else None)
 
 
-def _all_finite(value: Any, max_depth: int, depth: int) -> bool:
+_JSON_SCALARS: frozenset[type] = frozenset({str, int, bool, type(None)})
+
+
+def _all_finite(value: Any, max_depth: int, depth: int, scalars: frozenset[type] | None) -> bool:
     kind = type(value)
     if kind is dict:
         items: Any = value.values()
     elif kind is list or kind is tuple:
         items = value
+    elif kind is float:
+        return math.isfinite(value)
     else:
-        return kind is not float or math.isfinite(value)
+        return scalars is None or kind in scalars
     if depth > max_depth:
         return False
     for item in items:
@@ -58,6 +66,9 @@ def _all_finite(value: Any, max_depth: int, depth: int) -> bool:
         if kind is float:
             if not math.isfinite(item):
                 return False
-        elif (kind is dict or kind is list or kind is tuple) and not _all_finite(item, max_depth, depth + 1):
+        elif kind is dict or kind is list or kind is tuple:
+            if not _all_finite(item, max_depth, depth + 1, scalars):
+                return False
+        elif scalars is not None and kind not in scalars:
             return False
     return True

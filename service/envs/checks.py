@@ -10,10 +10,9 @@ from typing import Any
 import orjson
 
 from service.envs.base import Reset, Step
-from service.text import unstorable
+from service.text import all_finite, unstorable
 
 MAX_INFO_DEPTH = 32  # nesting of info and transcript values: objects and arrays
-_PLAIN_SCALARS = frozenset({str, int, bool, type(None)})
 
 
 class EnvProtocolError(TypeError):
@@ -23,7 +22,9 @@ class EnvProtocolError(TypeError):
 
 def json_problem(value: Any, where: str, depth: int = 1) -> str | None:
     """Why `value` is not storable JSON, naming the first offending place; None if it is."""
-    if _plain(value, depth):
+    # The fast way to the common answer, "nothing wrong", asked at every env call and every env's
+    # start: 12 us for builtin/shop's tools (1.8 KB, 159 values) against 126 us by _first_problem.
+    if all_finite(value, MAX_INFO_DEPTH - depth + 1, json_types_only=True):
         try:
             orjson.dumps(value)  # every string and key is text (no lone surrogate), every key a str
             return None
@@ -34,33 +35,6 @@ def json_problem(value: Any, where: str, depth: int = 1) -> str | None:
         return None
     problem, path = found
     return f"{where}{''.join(reversed(path))} {problem}"
-
-
-def _plain(value: Any, depth: int) -> bool:
-    """Whether `value` holds JSON's own types alone (exactly dict, list, tuple, str, int, bool, None
-    and finite floats), nested at most MAX_INFO_DEPTH deep. With orjson's encode, which checks every
-    string and key, it is the fast way to the common answer, "nothing wrong", which every env call
-    and every env's start asks for. Written by hand for that: builtin/shop's tools (1.8 KB, 159
-    values) take 12 us this way against 126 us walked by _first_problem, at every episode's start."""
-    kind = type(value)
-    if kind is dict:
-        items: Any = value.values()
-    elif kind is list or kind is tuple:
-        items = value
-    else:
-        return kind in _PLAIN_SCALARS or (kind is float and math.isfinite(value))
-    if depth > MAX_INFO_DEPTH:
-        return False
-    for item in items:
-        kind = type(item)
-        if kind in _PLAIN_SCALARS:
-            continue
-        if kind is float:
-            if not math.isfinite(item):
-                return False
-        elif not ((kind is dict or kind is list or kind is tuple) and _plain(item, depth + 1)):
-            return False
-    return True
 
 
 def _first_problem(value: Any, depth: int) -> tuple[str, list[str]] | None:

@@ -3,8 +3,8 @@ the env answer checks (service/envs/checks.py) and the column guard (service/sto
 Unicode text, so no lone surrogate (half of a \\ud800-\\udfff pair has no UTF-8 form), and, in a text
 column, no NUL (PostgreSQL's text cannot hold U+0000; SQLite can, so a NUL would be stored on one
 database and fail on the other). In JSON text, no NaN or infinity (json.dumps writes them, SQLite
-stores them, PostgreSQL refuses them), checked by `all_finite` for the request types and the JSON
-columns' writer (service/storage/db.py's json_text)."""
+stores them, PostgreSQL refuses them), checked by `all_finite` for the request types, the env answer
+checks and the JSON columns' writer (service/storage/db.py's json_text)."""
 
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ import re
 import sys
 from typing import Any, Literal
 
+import orjson
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_OR_NUL = re.compile("[\x00\ud800-\udfff]")
 
@@ -39,11 +41,22 @@ def all_finite(value: Any, max_depth: int = sys.maxsize, *, json_types_only: boo
     than `max_depth` levels (`value` itself is level 1). Only dicts, lists, tuples and floats of
     those exact types are looked at: parsed JSON has no subclass, and the JSON columns' writer
     hands a value with one to json.dumps. On hot paths: an agent's messages and tools at every call,
-    after orjson checked their text; a JSON column's value that orjson wrote with a null in it.
-    With `json_types_only`, also whether every other value is exactly a str, int, bool or None:
-    with orjson's encode, which checks every string and key, that is storable JSON (the env
-    checks' fast way, service/envs/checks.py)."""
+    after orjson checked their text (plain_json); a JSON column's value that orjson wrote with a null
+    in it. With `json_types_only`, also whether every other value is exactly a str, int, bool or None."""
     return _all_finite(value, max_depth, 1, _JSON_SCALARS if json_types_only else None)
+
+
+def plain_json(value: Any, max_depth: int, *, json_types_only: bool = False) -> bool:
+    """Whether `value` is storable JSON, by the fast way: orjson writes it (which checks every
+    string and key at once: no lone surrogate, every key a str) and `all_finite` holds. Most values
+    are; False says only that a walk naming the place has to look (orjson also refuses an int past
+    64 bits, and `json_types_only` a subclass json.dumps would write). The request types' check of
+    free-form JSON (service/api/values.py) and the env answer checks (service/envs/checks.py)."""
+    try:
+        orjson.dumps(value)
+    except TypeError:  # orjson.JSONEncodeError is one
+        return False
+    return all_finite(value, max_depth, json_types_only=json_types_only)
 
 
 _JSON_SCALARS: frozenset[type] = frozenset({str, int, bool, type(None)})

@@ -1,6 +1,6 @@
 """What the service accepts of an environment's `info`, transcript and tools as storable JSON, and
-what it says of the rest: the same answer whether or not the fast path (exact JSON types, then
-orjson's encode) takes the value."""
+what it says of the rest: the same answer whether or not the fast path (orjson's encode, then a walk
+of exact JSON types) takes the value."""
 
 from __future__ import annotations
 

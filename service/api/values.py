@@ -17,11 +17,10 @@ import math
 from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
 
-import orjson
 from pydantic import AfterValidator, BeforeValidator, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from service.text import all_finite, unstorable
+from service.text import plain_json, unstorable
 
 MAX_JSON_DEPTH = 32  # nesting of a free-form JSON value (metadata): objects and arrays
 
@@ -123,13 +122,8 @@ def storable_json(value: J) -> J:
     orjson checks their every text at once and a walk without locations the rest (an agent's
     messages and tools, every call: the walk that names where was a twentieth of the service's
     CPU per call in bench/verifiers_envs.py); the walk that names where runs on the others."""
-    try:
-        orjson.dumps(value)
-    except (orjson.JSONEncodeError, TypeError):
-        pass  # a lone surrogate, or what orjson does not write: the walk below tells
-    else:
-        if all_finite(value, MAX_JSON_DEPTH):  # and no deeper than that: else the walk names where
-            return value
+    if plain_json(value, MAX_JSON_DEPTH):
+        return value
     found = _problem(value, [], 1)
     if found is not None:
         location, kind, message = found

@@ -7,10 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import orjson
-
 from service.envs.base import Reset, Step
-from service.text import all_finite, unstorable
+from service.text import plain_json, unstorable
 
 MAX_INFO_DEPTH = 32  # nesting of info and transcript values: objects and arrays
 
@@ -25,12 +23,8 @@ def json_problem(value: Any, where: str, depth: int = 1) -> str | None:
     # The fast way to the common answer, "nothing wrong", asked at every env call and every env's
     # start: 12.5 us for builtin/shop's tools (1.8 KB, 159 values), where the walk naming the place
     # (building it at every step, as it did then) took 124 us.
-    if all_finite(value, MAX_INFO_DEPTH - depth + 1, json_types_only=True):
-        try:
-            orjson.dumps(value)  # every string and key is text (no lone surrogate), every key a str
-            return None
-        except TypeError:  # orjson.JSONEncodeError is one
-            pass
+    if plain_json(value, MAX_INFO_DEPTH - depth + 1, json_types_only=True):
+        return None
     found = _first_problem(value, depth)
     if found is None:
         return None

@@ -108,7 +108,7 @@ class ServiceProcess:
         deadline = time.monotonic() + timeout
         while (code := self.process.poll()) is None:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"service still running after {timeout} s")
+                raise TimeoutError(f"service still running after {timeout} s:\n{self.log_tail(80)}")
             await asyncio.sleep(POLL_SECONDS)
         return code
 

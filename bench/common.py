@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -173,29 +172,6 @@ def serve_process(
         yield served
     finally:
         stop(process)
-
-
-@contextmanager
-def py_spy_of_this_process(profile: Path | None) -> Iterator[None]:
-    """py-spy (the dev extra) records this process while the block runs, as raw stacks to `profile`
-    (nothing if None): every thread, idle samples and who holds the GIL, so the event loop's idle
-    time and each thread's share can be told apart. py-spy pauses the process to sample: a
-    profiled run's CPU figures are not comparable with an unprofiled one's."""
-    if profile is None:
-        yield
-        return
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    command = [py_spy, "record", "--pid", str(os.getpid()), "--format", "raw", "--rate", "200",
-               "--gil", "--idle", "--threads", "-o", str(profile)]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(1.0)  # it attaches
-    if process.poll() is not None:
-        raise RuntimeError(f"py-spy exited: {process.stderr.read().decode() if process.stderr else ''}")
-    try:
-        yield
-    finally:
-        process.send_signal(signal.SIGINT)  # it writes the profile and exits
-        process.wait(STOP_TIMEOUT_SECONDS)
 
 
 @contextmanager

@@ -44,10 +44,10 @@ from bench.common import (  # noqa: E402
     cpu_seconds_of,
     fresh_database,
     percentiles_ms,
-    py_spy_of_this_process,
     run_loop,
     sim_worker,
 )
+from bench.profiles import PROFILERS, Profile, profiling  # noqa: E402
 from service.app import create_app  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.transport import Reply, SocketTransport  # noqa: E402
@@ -191,7 +191,7 @@ async def _run(
     max_wall: float,
     env: str,
     split: str,
-    profile: Path | None,
+    profile: Profile | None,
 ) -> dict[str, Any]:
     idle = LagProbe()
     idle.start()
@@ -218,7 +218,7 @@ async def _run(
         samples = max(1, episodes // min(episodes, size))
         tasks = min(episodes, size)
         total = tasks * samples
-        with py_spy_of_this_process(profile):
+        with profiling(os.getpid(), profile, ("--gil", "--idle", "--threads")):
             probe = LagProbe()
             probe.start()
             cpu0, sim_cpu0, env_cpu0 = (
@@ -337,7 +337,7 @@ def run_bench(
     database: str = "sqlite",
     env: str = "builtin/shop",
     split: str = "test",
-    profile: Path | None = None,
+    profile: Profile | None = None,
 ) -> dict[str, Any]:
     logging.getLogger().setLevel(logging.WARNING)
     counter = _LeaseCounter()
@@ -377,7 +377,7 @@ def _run_bench(
     database: str,
     env: str,
     split: str,
-    profile: Path | None,
+    profile: Profile | None,
 ) -> dict[str, Any]:
     with (
         tempfile.TemporaryDirectory(prefix="bench-concurrency-") as tmp,
@@ -470,9 +470,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--profile",
         type=Path,
         default=None,
-        help="py-spy's raw stacks of the measured run to FILE (--gil --idle --threads; CPU figures then "
-        "include py-spy's pauses: compare profiled runs only with each other)",
+        help="the measured run recorded to FILE by --profiler (bench.profiles.Profile): py-spy's raw stacks "
+        "(--gil --idle --threads), or perf's samples (and where their CPU went: FILE.json); CPU figures "
+        "then include the profiler's cost: compare profiled runs only with each other",
     )
+    parser.add_argument("--profiler", choices=PROFILERS, default="py-spy")
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.latency = 50, 0.05
@@ -488,7 +490,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.database,
             env,
             split,
-            args.profile,
+            None if args.profile is None else Profile(args.profile, args.profiler),
         )
 
     if args.baseline_env is None:

@@ -16,11 +16,11 @@ CPU at rest outweighs its CPU per call: the figure is noise. `--agent light` (th
 flight): tests/verifiers_tasksets/vf_wire.py's driver sends the requests verifiers' harnesses send
 (streamed chat completions with usage, the same messages and tools) without a harness program; the
 service's side (claim, hand-over, calls, finish) is the same. `--profile DIR` records each phase's
-service with py-spy (GIL holder, raw stacks).
+service with `--profiler` (py-spy's raw stacks of the GIL holder, or perf's CPU samples).
 
 Run from the repo root in the verifiers virtualenv (`make test-verifiers` builds it):
     PATH=.venv-verifiers/bin:$PATH .venv-verifiers/bin/python bench/verifiers_envs.py [--agent light]
-        [--episodes 1000] [--database sqlite|postgres] [--latency 0.05] [--profile DIR]
+        [--episodes 1000] [--database sqlite|postgres] [--latency 0.05] [--profile DIR [--profiler perf]]
 The last line of output is one JSON object.
 """
 
@@ -28,17 +28,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.util
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +48,7 @@ sys.path.insert(0, str(TASKSETS))
 import httpx  # noqa: E402
 
 from bench.common import cpu_seconds_of, fresh_database, percentiles_ms, stop, wait_healthy  # noqa: E402
+from bench.profiles import PROFILERS, Profile, profiled_env, profiling  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 SHOP_TRAIN_TASKS = 200
@@ -99,24 +98,11 @@ async def run_batch(
     return episodes, time.perf_counter() - start
 
 
-@contextlib.contextmanager
-def profiled(pid: int, out: Path | None) -> Any:
-    """py-spy's raw stacks of process `pid` (the thread holding the GIL) into `out` while the block runs."""
-    if out is None:
-        yield
-        return
-    py_spy = shutil.which("py-spy")
-    if py_spy is None:
-        raise SystemExit("--profile needs py-spy on PATH")
-    command = [py_spy, "record", "--pid", str(pid), "--format", "raw", "--gil", "--rate", "200"]
-    recorder = subprocess.Popen(
-        [*command, "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        yield
-    finally:
-        recorder.send_signal(signal.SIGINT)
-        recorder.wait(60)
+def phase_profile(profile: Profile | None, phase: str) -> Profile | None:
+    """One phase's profile in the --profile DIR: PHASE.txt (py-spy's raw stacks) or PHASE.data (perf's)."""
+    if profile is None:
+        return None
+    return replace(profile, path=profile.path / f"{phase}.{'data' if profile.profiler == 'perf' else 'txt'}")
 
 
 def loop_bodies(episodes: int) -> list[dict[str, Any]]:
@@ -140,7 +126,7 @@ def driven_bodies(prefix: str, episodes: int) -> list[dict[str, Any]]:
 
 
 async def measure(
-    url: str, service_pid: int, episodes: int, agent: str, profile: Path | None = None
+    url: str, service_pid: int, episodes: int, agent: str, profile: Profile | None = None
 ) -> dict[str, Any]:
     prefix = AGENTS[agent]
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
@@ -162,13 +148,13 @@ async def measure(
         idle_rate = (cpu_seconds_of(service_pid) - before) / (time.perf_counter() - rest_start)
 
         before = cpu_seconds_of(service_pid)
-        with profiled(service_pid, profile and profile / "loop.txt"):
+        with profiling(service_pid, phase_profile(profile, "loop")):
             loop_episodes, loop_seconds = await run_batch(http, loop_bodies(episodes))
         loop_cpu = cpu_seconds_of(service_pid) - before
         loop_turns = sum(e["num_turns"] or 0 for e in loop_episodes)
 
         before, before_children = cpu_seconds_of(service_pid), descendants_cpu(service_pid)
-        with profiled(service_pid, profile and profile / f"{agent}.txt"):
+        with profiling(service_pid, phase_profile(profile, agent)):
             vf_episodes, vf_seconds = await run_batch(http, driven_bodies(prefix, episodes))
         vf_cpu = cpu_seconds_of(service_pid) - before
         vf_children_cpu = descendants_cpu(service_pid) - before_children
@@ -248,8 +234,12 @@ def main() -> None:
     )
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--latency", type=float, default=0.05)
-    parser.add_argument("--profile", type=Path, default=None, help="py-spy raw stacks of each phase into DIR")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="each phase's service recorded into DIR by --profiler"
+    )
+    parser.add_argument("--profiler", choices=PROFILERS, default="py-spy", help="see bench.profiles.Profile")
     args = parser.parse_args()
+    profile = None if args.profile is None else Profile(args.profile, args.profiler)
     episodes = args.episodes or (1000 if args.agent == "light" else 32)
     with (
         tempfile.TemporaryDirectory() as tmp_name,
@@ -276,10 +266,11 @@ def main() -> None:
                 "ENV_THREADS_PER_WORKER": str(episodes // ENV_WORKERS + 8),
                 "ENV_WORKERS": str(ENV_WORKERS),
                 "SERVICE_URL": url,
+                **profiled_env(profile),
             }
             service = spawn(["serve", "--port", str(port)], service_env, tmp / "service.log")
             wait_healthy(url, service, tmp / "service.log")
-            result = asyncio.run(measure(url, service.pid, episodes, args.agent, args.profile))
+            result = asyncio.run(measure(url, service.pid, episodes, args.agent, profile))
         finally:
             if service is not None:
                 stop(service)

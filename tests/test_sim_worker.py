@@ -15,7 +15,7 @@ from service.envs.base import RESPOND_ACTION_NAME, Action
 from service.envs.builtin.shop import SYSTEM_PROMPT, TOOLS, ShopEnv, oracle_plan, tasks
 from service.records import rid_attempt_key
 from service.sim.policy import AFTER_PLAN_REPLY, UNKNOWN_REPLY, parse_chatml
-from service.sim.worker import SimConfig, SimWorker, create_sim_app
+from service.sim.worker import SimConfig, SimWorker, _stream, create_sim_app
 from tests.support.polling import until
 from tests.support.tokenizer import load_test_tokenizer
 
@@ -454,6 +454,25 @@ async def test_streaming_frames(sim: tuple[SimWorker, httpx.AsyncClient]) -> Non
     assert all(chunk["meta_info"]["finish_reason"] is None for chunk in chunks[:-1])
     assert chunks[-1]["output_ids"] == plain["output_ids"]
     assert chunks[-1]["text"] == plain["text"]
+
+
+async def test_an_abort_keeps_every_token_the_stream_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As SGLang's, an aborted stream's last frame holds every token its earlier frames sent, however
+    few the worker's clock says were sampled by then: the stream's timer once fired a hair early
+    (uvloop's timers count whole milliseconds), an agent left on that frame, and the last frame,
+    cut by the clock, took its token back (the service refused it as an engine fault, and the call
+    the agent left was not recorded: tests/test_agents_streaming.py, about 1 run in 40)."""
+    worker = SimWorker(SimConfig(**{**NO_MISTAKES.__dict__, "per_token_latency_seconds": 0.01}))
+    monkeypatch.setattr(SimWorker, "_produced", lambda self, elapsed, total: 0)  # the clock a hair behind
+    request, running = worker._admit({**body_for(prompt_ids(first_messages()), "early:0:0"), "stream": True})
+    frames = _stream(worker, request, running)
+    first = json.loads((await anext(frames)).removeprefix(b"data: "))
+    assert first["meta_info"]["finish_reason"] is None and len(first["output_ids"]) == 1
+    assert worker.abort("early:0") == 1
+    last = json.loads((await anext(frames)).removeprefix(b"data: "))
+    assert [chunk async for chunk in frames] == [b"data: [DONE]\n\n"]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["output_ids"] == first["output_ids"]  # extends the first frame's: not one token taken back
 
 
 async def test_a_weight_update_aborts_in_flight_and_a_resumed_request_continues_the_turn() -> None:

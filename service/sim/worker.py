@@ -61,6 +61,7 @@ class _Running:
     abort_message: str = ""
     # The output it samples and when it started to (after any pause), for a stream to pace.
     planned: tuple[PlannedOutput, float] | None = None
+    streamed: int = 0  # the tokens its stream sent: an abort keeps at least these
 
 
 _json_bytes = json_bytes
@@ -238,7 +239,11 @@ class SimWorker:
                     pass
             if running.aborted.is_set():
                 elapsed = (time.monotonic() - start) / latency_factor(request.rid, self.config)
-                produced = 0 if queued else self._produced(elapsed, len(output.ids))
+                # What the clock says was sampled, and never less than what the stream already
+                # sent, as SGLang's last frame holds every token it streamed: the stream's timer
+                # may fire a hair early (uvloop's count whole milliseconds), and a last frame
+                # that took a token back was an engine fault to the service.
+                produced = 0 if queued else max(running.streamed, self._produced(elapsed, len(output.ids)))
                 output = PlannedOutput(
                     output.ids[:produced],
                     output.logprobs[:produced],
@@ -589,8 +594,8 @@ async def _stream(sim: SimWorker, request: SimRequest, running: _Running) -> Asy
                     break
             partial = PlannedOutput(planned.ids[:count], planned.logprobs[:count], {})
             meta = {"id": request.rid, "finish_reason": None, "completion_tokens": count}
+            sent = running.streamed = count
             yield b"data: " + _json_bytes(sim.response(request, partial, meta)) + b"\n\n"
-            sent = count
         output, meta = await run
     finally:
         if not run.done():  # the client went away mid-stream

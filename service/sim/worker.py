@@ -575,7 +575,6 @@ async def _stream(sim: SimWorker, request: SimRequest, running: _Running) -> Asy
     step = max(1, sim.config.stream_interval)
     per_token = sim.config.per_token_latency_seconds * latency_factor(request.rid, sim.config)
     first = sim.config.latency_seconds * latency_factor(request.rid, sim.config)
-    sent = 0
     try:
         await asyncio.sleep(0)  # run plans its output on its first step
         while not run.done():
@@ -583,7 +582,7 @@ async def _stream(sim: SimWorker, request: SimRequest, running: _Running) -> Asy
                 await asyncio.wait({run}, timeout=0.01)
                 continue
             planned, started = running.planned
-            count = 1 if sent == 0 else sent + step
+            count = 1 if running.streamed == 0 else running.streamed + step
             if count >= len(planned.ids):  # the rest comes with the last frame
                 await run
                 break
@@ -594,7 +593,7 @@ async def _stream(sim: SimWorker, request: SimRequest, running: _Running) -> Asy
                     break
             partial = PlannedOutput(planned.ids[:count], planned.logprobs[:count], {})
             meta = {"id": request.rid, "finish_reason": None, "completion_tokens": count}
-            sent = running.streamed = count
+            running.streamed = count
             yield b"data: " + _json_bytes(sim.response(request, partial, meta)) + b"\n\n"
         output, meta = await run
     finally:

@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from bench.common import REPO, STOP_TIMEOUT_SECONDS
@@ -163,26 +164,20 @@ def in_repository(file: str) -> str | None:
     return None
 
 
-def shown(file: str) -> str:
-    """`file` as the tables name it: from site-packages, the standard library's directory, or this
-    repository's root."""
+@cache
+def located(file: str) -> tuple[str, str]:
+    """(`file` as the tables name it, the package it belongs to): from site-packages, its path
+    there and its distribution; from the standard library, its path from the library's directory
+    and its module (`asyncio`); from this repository, its path from the root and its two first
+    levels (`service/storage`); else the file itself, twice. Asked of every sample: cached."""
     if "site-packages/" in file:
-        return file.split("site-packages/", 1)[1]
+        inside = file.split("site-packages/", 1)[1]
+        return inside, inside.split("/", 1)[0].removesuffix(".py")
     if (stdlib := _STDLIB.search(file)) is not None:
-        return file[stdlib.start() + 1 :]
-    return in_repository(file) or file
-
-
-def package(file: str) -> str:
-    """The package a file belongs to: `service/storage` (this repository's, two levels), the
-    distribution under site-packages, or the standard library's module (`asyncio`)."""
-    if "site-packages/" in file:
-        return file.split("site-packages/", 1)[1].split("/", 1)[0].removesuffix(".py")
-    if (stdlib := _STDLIB.search(file)) is not None:
-        return stdlib["module"]
+        return file[stdlib.start() + 1 :], stdlib["module"]
     if (own := in_repository(file)) is not None:
-        return "/".join(own.split("/")[:2]).removesuffix(".py")
-    return file
+        return own, "/".join(own.split("/")[:2]).removesuffix(".py")
+    return file, file
 
 
 def shares(lines: Iterable[str], top: int = 40) -> dict[str, object]:
@@ -199,8 +194,9 @@ def shares(lines: Iterable[str], top: int = 40) -> dict[str, object]:
             packages[NO_PYTHON] += 1
             continue
         function, file = found
-        functions[f"{function} ({shown(file)})"] += 1
-        packages[package(file)] += 1
+        shown, package = located(file)
+        functions[f"{function} ({shown})"] += 1
+        packages[package] += 1
     total = sum(threads.values())
 
     def ranked(counts: Counter[str], limit: int) -> list[tuple[str, float]]:

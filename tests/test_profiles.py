@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.profiles import NO_PYTHON, Profile, package, profiled_env, profiling, shares
+from bench.profiles import NO_PYTHON, Profile, located, profiled_env, profiling, shares
 
 # `perf script -F tid,ip,sym,dso` as it prints three samples of two threads: a json.dumps and a
 # socket write under two Python functions, and one in a C thread.
@@ -53,11 +53,11 @@ def test_a_sample_counts_for_its_innermost_python_function_with_what_it_called()
 
 
 def test_a_file_belongs_to_its_distribution_its_standard_module_or_this_repository() -> None:
-    assert package("/app/.venv/lib/python3.12/site-packages/sqlalchemy/engine/base.py") == "sqlalchemy"
-    assert package("/usr/lib/python3.12/asyncio/runners.py") == "asyncio"
-    assert package("/usr/lib/python3.12/json/encoder.py") == "json"
-    assert package("/elsewhere/checkout/service/loop/tokens.py") == "service/loop"
-    assert package("<string>") == "<string>"
+    assert located("/app/.venv/lib/python3.12/site-packages/sqlalchemy/engine/base.py")[1] == "sqlalchemy"
+    assert located("/usr/lib/python3.12/asyncio/runners.py")[1] == "asyncio"
+    assert located("/usr/lib/python3.12/json/encoder.py")[1] == "json"
+    assert located("/elsewhere/checkout/service/loop/tokens.py")[1] == "service/loop"
+    assert located("<string>")[1] == "<string>"
 
 
 BURNER = textwrap.dedent(

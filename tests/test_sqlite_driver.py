@@ -1,5 +1,6 @@
 """The SQLite engine's aiosqlite adapter: one trip to the connection's thread per statement, with
-the rows, counts, errors and transactions of SQLAlchemy's own adapter."""
+the rows, counts, errors and transactions of SQLAlchemy's own adapter; and an UPDATE ... RETURNING
+run for many parameter sets, which SQLAlchemy's own adapter refuses."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import aiosqlite
 import pytest
-from sqlalchemy import text
+from sqlalchemy import bindparam, column, table, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -88,3 +89,24 @@ async def test_errors_are_sqlalchemys_and_roll_back(engine: AsyncEngine) -> None
             await connection.execute(text("SELECT * FROM missing"))
     async with engine.connect() as connection:
         assert (await connection.execute(text("SELECT v FROM t"))).scalars().all() == ["x"]
+
+
+async def test_an_update_returning_run_for_many_gives_each_sets_rows_in_one_trip_all_or_nothing(
+    engine: AsyncEngine, trips: Counter[str]
+) -> None:
+    """What Writer.execute batches on: the sets run in order (each sees the ones before it), the
+    rows of each are told apart, and a set that fails leaves none of the others' writes."""
+    t = table("t", column("id"), column("v"))
+    rename = update(t).where(t.c.v == bindparam("was")).values(v=bindparam("new")).returning(t.c.id, t.c.v)
+    async with engine.begin() as connection:
+        await connection.execute(text("INSERT INTO t (v) VALUES (:v)"), [{"v": "a"}, {"v": "b"}])
+        trips.clear()
+        renames = [("a", "a2"), ("none", "x"), ("a2", "a3"), ("b", "b2")]
+        result = await connection.execute(rename, [{"was": was, "new": new} for was, new in renames])
+        assert trips == {"_run_statement": 1}
+        assert result.all() == [(1, "a2"), (1, "a3"), (2, "b2")]
+        assert result.context.cursor.returned_per_parameters == [1, 0, 1, 1]
+        with pytest.raises(IntegrityError):  # the second set's value is the first's (v is UNIQUE)
+            await connection.execute(rename, [{"was": "a3", "new": "c"}, {"was": "b2", "new": "c"}])
+        values = await connection.execute(text("SELECT v FROM t ORDER BY id"))
+        assert values.scalars().all() == ["a3", "b2"]

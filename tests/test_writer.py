@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 import pytest
 from sqlalchemy import bindparam, event, func, select, text, update
@@ -225,3 +227,106 @@ async def test_a_one_statement_block_returns_its_rows_and_fails_alone_or_with_it
     else:
         assert isinstance(outcomes[0], OperationalError) and "nothing was committed" in str(outcomes[0])
         assert envs == {batch.batch_id: "builtin/shop", taken.batch_id: "renamed"}
+
+
+async def while_busy(
+    writer: Writer, *writes: Coroutine[Any, Any, list[Any]]
+) -> list[list[Any] | BaseException]:
+    """Runs `writes` together while a block holds the writer: they all reach it busy."""
+    held = asyncio.Event()
+
+    async def busy() -> None:
+        async with writer.begin():
+            held.set()
+            await asyncio.sleep(0.05)
+
+    blocking = asyncio.create_task(busy())
+    await held.wait()
+    outcomes = await asyncio.gather(*writes, return_exceptions=True)
+    await blocking
+    return outcomes
+
+
+@pytest.fixture
+def updates_run(db: Database) -> Iterator[list[bool]]:
+    """Each UPDATE of batches run: whether it was an executemany."""
+    runs: list[bool] = []
+
+    def on_execute(*args: Any) -> None:
+        statement, executemany = args[2], args[5]
+        if statement.startswith("UPDATE batches"):
+            runs.append(executemany)
+
+    event.listen(db.engine.sync_engine, "before_cursor_execute", on_execute)
+    yield runs
+    event.remove(db.engine.sync_engine, "before_cursor_execute", on_execute)
+
+
+RENAME = (
+    update(Batch)
+    .where(Batch.id == bindparam("batch"), Batch.env == bindparam("was"))
+    .values(env=bindparam("env"))
+    .returning(Batch.id, Batch.env)
+)
+
+
+async def test_executes_of_one_statement_that_find_the_writer_busy_run_as_one(
+    db: Database, updates_run: list[bool]
+) -> None:
+    """On SQLite, whose driver gives each parameter set's rows of an UPDATE ... RETURNING run for
+    many, the executes of one statement that reach the writer while it is busy run as one
+    executemany, in the order they came (each sees those before it), each caller given its own
+    rows. On PostgreSQL each runs alone, with the same outcomes."""
+    writer = Writer(db.sessionmaker, window_seconds=0.05)
+    first, second = new_batch(), new_batch()
+    try:
+        async with writer.begin() as session:
+            await enqueue_batch(session, first)
+            await enqueue_batch(session, second)
+        renames = [
+            (first, "builtin/shop", "one"),
+            (first, "one", "two"),
+            (second, "other", "x"),
+            (second, "builtin/shop", "3"),
+        ]
+        writes = [
+            writer.execute(RENAME, {"batch": b.batch_id, "was": was, "env": env}) for b, was, env in renames
+        ]
+        outcomes = await while_busy(writer, *writes)
+    finally:
+        await writer.aclose()
+    assert outcomes == [[(first.batch_id, "one")], [(first.batch_id, "two")], [], [(second.batch_id, "3")]]
+    assert updates_run == ([True] if db.url.startswith("sqlite") else [False] * 4)
+
+
+async def test_a_batch_with_a_refused_write_runs_one_by_one_and_only_that_write_fails(
+    db: Database, updates_run: list[bool]
+) -> None:
+    """A batch that the database refuses (one write's value) writes nothing, then each of its writes
+    runs alone: the refused one fails with its error, the others are stored."""
+    if not db.url.startswith("sqlite"):
+        pytest.skip("PostgreSQL's driver runs each execute alone: its failures are the one-statement test's")
+    writer = Writer(db.sessionmaker, window_seconds=0.05)
+    batches = [new_batch() for _ in range(3)]
+    try:
+        async with writer.begin() as session:
+            for batch in batches:
+                await enqueue_batch(session, batch)
+        envs = ["one", None, "three"]  # env is NOT NULL
+        params = [
+            {"batch": b.batch_id, "was": "builtin/shop", "env": env}
+            for b, env in zip(batches, envs, strict=True)
+        ]
+        outcomes = await while_busy(writer, *(writer.execute(RENAME, each) for each in params))
+    finally:
+        await writer.aclose()
+    assert outcomes[0] == [(batches[0].batch_id, "one")] and outcomes[2] == [(batches[2].batch_id, "three")]
+    assert isinstance(outcomes[1], IntegrityError)
+    assert updates_run == [True, False, False, False]
+    async with db.reader() as session:
+        stored = {row.id: row.env for row in await session.execute(select(Batch.id, Batch.env))}
+    assert stored == {
+        batches[0].batch_id: "one",
+        batches[1].batch_id: "builtin/shop",
+        batches[2].batch_id: "three",
+    }

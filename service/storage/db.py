@@ -148,6 +148,10 @@ def make_engine(
     """
     if is_sqlite(url):
         engine = create_async_engine(url, echo=echo, module=one_trip_dbapi(), json_serializer=json_text)
+        # Our driver runs an UPDATE or DELETE ... RETURNING for many parameter sets, and keeps how
+        # many rows each returned (sqlite_driver.py): the writer batches such writes.
+        engine.dialect.update_executemany_returning = True
+        engine.dialect.delete_executemany_returning = True
         _make_sqlite_transactional(engine, foreign_keys=True)
         return engine
     engine = create_async_engine(

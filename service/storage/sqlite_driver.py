@@ -24,13 +24,17 @@ from sqlalchemy.dialects.sqlite.aiosqlite import (
 from sqlalchemy.util import EMPTY_DICT
 from sqlalchemy.util.concurrency import await_
 
-_Outcome = tuple[Any, list[Any] | None, int, int | None]  # description, rows, rowcount, lastrowid
+# description, rows, rowcount, lastrowid, and the rows of each parameter set of an executemany that
+# returns rows
+_Outcome = tuple[Any, list[Any] | None, int, int | None, list[int] | None]
 
 
 def _run_statement(connection: sqlite3.Connection, operation: str, parameters: Any, many: bool) -> _Outcome:
     """On the connection's thread: the statement executed, its rows fetched, its cursor closed."""
     cursor = connection.cursor()
     try:
+        if many and " RETURNING " in operation:
+            return _run_each(cursor, operation, parameters)
         if many:
             cursor.executemany(operation, parameters)
         elif parameters is None:
@@ -39,16 +43,43 @@ def _run_statement(connection: sqlite3.Connection, operation: str, parameters: A
             cursor.execute(operation, parameters)
         description = cursor.description
         rows = cursor.fetchall() if description and not many else None
-        return description, rows, cursor.rowcount, cursor.lastrowid
+        return description, rows, cursor.rowcount, cursor.lastrowid, None
     finally:
         cursor.close()
+
+
+def _run_each(cursor: sqlite3.Cursor, operation: str, parameters: Any) -> _Outcome:
+    """A statement that returns rows, run for many parameter sets: sqlite3's executemany refuses
+    one, so each set is executed in turn, and how many rows each returned is kept with the rows.
+    All or nothing, under a savepoint of its own in the same trip: a set that fails leaves none of
+    the others' writes behind (sqlite3's executemany would keep those before it)."""
+    returned: list[Any] = []
+    counts: list[int] = []
+    description = None
+    cursor.execute("SAVEPOINT run_each")
+    try:
+        for each in parameters:
+            cursor.execute(operation, each)
+            description = cursor.description
+            rows = cursor.fetchall()
+            returned += rows
+            counts.append(len(rows))
+    except BaseException:
+        try:
+            cursor.execute("ROLLBACK TO run_each")
+            cursor.execute("RELEASE run_each")
+        except sqlite3.Error:  # interrupted (its caller cancelled): the connection is discarded
+            pass
+        raise
+    cursor.execute("RELEASE run_each")
+    return description, returned, len(returned), None, counts
 
 
 class OneTripCursor(AsyncAdapt_aiosqlite_cursor):
     """A buffered cursor whose statement is one call on aiosqlite's thread. Hand-written on a
     measured hot path: every database statement of the service on SQLite."""
 
-    __slots__ = ("_arraysize", "_description", "_lastrowid", "_rowcount")
+    __slots__ = ("_arraysize", "_description", "_lastrowid", "_rowcount", "returned_per_parameters")
 
     def __init__(self, adapt_connection: AsyncAdapt_aiosqlite_connection) -> None:  # no cursor opened here
         self._adapt_connection = adapt_connection
@@ -59,6 +90,8 @@ class OneTripCursor(AsyncAdapt_aiosqlite_cursor):
         self._rowcount = -1
         self._lastrowid: int | None = None
         self._arraysize = 1
+        # An executemany that returned rows: how many rows each parameter set returned, in order.
+        self.returned_per_parameters: list[int] | None = None
 
     @property
     def description(self) -> Any:
@@ -100,7 +133,7 @@ class OneTripCursor(AsyncAdapt_aiosqlite_cursor):
             outcome: _Outcome = await connection._execute(  # type: ignore[no-untyped-call]
                 _run_statement, connection._conn, operation, parameters, many
             )
-        self._description, rows, self._rowcount, self._lastrowid = outcome
+        self._description, rows, self._rowcount, self._lastrowid, self.returned_per_parameters = outcome
         self._rows = deque(rows) if rows else deque()
 
     async def _async_soft_close(self) -> None:

@@ -8,24 +8,36 @@ inside the current group transaction (under a savepoint, so a refused block roll
 single statement without one, `execute`); the group commits WRITE_WINDOW_SECONDS after its first
 block, or at once when MAX_GROUP_BLOCKS joined it, and every block's caller returns once its group
 committed. Readers use their own connections and never wait behind it.
+
+Writes of one kind that reach the writer while it is busy run by one block (WriteBatches): the
+results of finished episodes (service/storage/results.py), and, where the driver runs an
+UPDATE ... RETURNING for many parameter sets (SQLite's, service/storage/sqlite_driver.py), the
+single statements of `execute`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Generic, Protocol, TypeVar
 
-from sqlalchemy import Executable, Row
+from sqlalchemy import Delete, Executable, Row, Update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from service.storage.errors import is_transient
 
 logger = logging.getLogger(__name__)
 
 WRITE_WINDOW_SECONDS = 0.005  # a group commits this long after its first block
 MAX_GROUP_BLOCKS = 512  # or as soon as this many blocks joined it
+
+Item = TypeVar("Item")
+Outcome = TypeVar("Outcome")
+_StatementKey = tuple[Executable, frozenset[str]]  # a statement, and the names of its parameters
 
 
 class Transactions(Protocol):
@@ -65,6 +77,10 @@ class Writer:
         self._group: _Group | None = None
         self._commits: set[asyncio.Task[None]] = set()
         self._closed = False
+        # Whether the driver returns each parameter set's rows of an UPDATE or DELETE ... RETURNING
+        # run for many (service/storage/db.py sets it for SQLite's): then `execute` batches.
+        self._many_returning = bind is not None and bind.dialect.update_executemany_returning
+        self._batches: dict[_StatementKey, WriteBatches[Mapping[str, Any], list[Row[Any]]]] = {}
 
     @property
     def statements_fail_alone(self) -> bool:
@@ -92,7 +108,37 @@ class Writer:
         writes of agents' episodes: ids, tokens, their checked messages). Hand-written on a
         measured hot path: a savepoint and its release were two of each such write's three
         statements, and most of its CPU (in-process, 1,000 concurrent writes: SQLite 0.45 ms a
-        write against 1.0 ms with them, PostgreSQL 0.27 ms against 1.0 ms)."""
+        write against 1.0 ms with them, PostgreSQL 0.27 ms against 1.0 ms).
+
+        Where the driver returns each parameter set's rows of an UPDATE or DELETE run for many
+        (SQLite's), the executes of one UPDATE or DELETE with the same parameter names that reach
+        the writer while it is busy run as one executemany, in the order they came, each caller
+        given its own parameter set's rows: each is still its own statement, fenced by its own
+        WHERE. Hand-written on a measured hot path too: an agent-driven episode made 3.5 such
+        writes, each a SQLAlchemy execution of its own, and storage was half the service's CPU per
+        call (bench/verifiers_envs.py, profiled)."""
+        if not (self._many_returning and isinstance(statement, Update | Delete)):
+            return await self._execute_alone(statement, parameters)
+        key = (statement, frozenset(parameters))
+        batches = self._batches.get(key)
+        if batches is None:
+
+            async def many(session: AsyncSession, each: list[Mapping[str, Any]]) -> list[list[Row[Any]]]:
+                return await _execute_many(session, statement, each)
+
+            async def alone(parameters: Mapping[str, Any]) -> list[Row[Any]]:
+                return await self._execute_alone(statement, parameters)
+
+            batches = self._batches[key] = WriteBatches(self, "database writes", many, alone, atomic=True)
+            batches.on_idle = partial(self._forget, key, batches)
+        return await batches.write(parameters)
+
+    def _forget(self, key: _StatementKey, batches: WriteBatches[Any, Any]) -> None:
+        """Drops a statement's batches once none waits: statements built per call are not kept."""
+        if self._batches.get(key) is batches:
+            del self._batches[key]
+
+    async def _execute_alone(self, statement: Executable, parameters: Mapping[str, Any]) -> list[Row[Any]]:
         async with self.begin(savepoint=False) as session:
             connection = await session.connection()
             result = await connection.execute(statement, parameters)
@@ -178,6 +224,123 @@ class Writer:
         self._closed = True
         if self._commits:
             await asyncio.gather(*self._commits, return_exceptions=True)
+
+
+async def _execute_many(
+    session: AsyncSession, statement: Executable, parameters: list[Mapping[str, Any]]
+) -> list[list[Row[Any]]]:
+    """Each parameter set's rows of `statement` run for each (one executemany, all or nothing:
+    sqlite_driver.py), in order."""
+    connection = await session.connection()
+    if len(parameters) == 1:
+        result = await connection.execute(statement, parameters[0])
+        return [list(result.all()) if result.returns_rows else []]
+    result = await connection.execute(statement, parameters)
+    if not result.returns_rows:
+        return [[] for _ in parameters]
+    rows = list(result.all())
+    counts: list[int] = result.context.cursor.returned_per_parameters  # our driver's (sqlite_driver.py)
+    each, start = [], 0
+    for count in counts:
+        each.append(rows[start : start + count])
+        start += count
+    return each
+
+
+class WriteBatches(Generic[Item, Outcome]):
+    """Writes of one kind through `writer`, those that reach it while it is busy written by one block
+    (`many`: their outcomes, in order) rather than a block each (`one`). A write still returns only
+    once it is committed. A batch that fails as a whole for a reason a retry may clear (an outage, a
+    lost group) fails every caller's write, which each retries; any other failure of the batch (one
+    item the database refuses, a value that cannot be encoded) is not the others' to share: the
+    batch falls back to `one` per item, so each caller gets its own outcome: on SQLite, where a
+    write alone needs no savepoint to fail alone, a batch runs under one unless `many` writes all of
+    it or nothing by itself (`atomic`). `on_idle`, if set, is called when a batch was written and
+    no other waits."""
+
+    def __init__(
+        self,
+        writer: Writer,
+        name: str,
+        many: Callable[[AsyncSession, list[Item]], Awaitable[list[Outcome]]],
+        one: Callable[[Item], Awaitable[Outcome]],
+        *,
+        atomic: bool = False,
+    ) -> None:
+        self._writer = writer
+        self._name = name
+        self._many = many
+        self._one = one
+        self._atomic = atomic
+        self.on_idle: Callable[[], None] | None = None
+        self._waiting: list[tuple[Item, asyncio.Future[Outcome]]] = []
+        self._flushing: set[asyncio.Task[None]] = set()
+        self._collecting = False  # a flush waits for its turn at the writer: writes join it
+
+    async def write(self, item: Item) -> Outcome:
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._waiting.append((item, future))
+        if not self._collecting:
+            self._collecting = True
+            flush = asyncio.create_task(self._flush(), name=self._name)
+            self._flushing.add(flush)
+            flush.add_done_callback(self._flushing.discard)
+        return await future
+
+    def _take(self) -> list[tuple[Item, asyncio.Future[Outcome]]]:
+        batch, self._waiting = self._waiting, []
+        self._collecting = False
+        return batch
+
+    async def _flush(self) -> None:
+        batch: list[tuple[Item, asyncio.Future[Outcome]]] | None = None
+        # On SQLite a write alone fails alone without the block's savepoint, which with its release
+        # would be two of the block's three statements.
+        bare = self._writer.statements_fail_alone
+        try:
+            try:
+                async with self._writer.begin(savepoint=not bare) as session:
+                    # Taken once the writer's turn came: what arrived meanwhile is in this batch.
+                    batch = self._take()
+                    items = [item for item, _ in batch]
+                    savepoint = bare and len(items) > 1 and not self._atomic
+                    async with session.begin_nested() if savepoint else nullcontext():
+                        outcomes = await self._many(session, items)
+            except Exception as error:
+                if batch is None:  # the block never opened (the writer is closed, or its group failed)
+                    batch = self._take()
+                if len(batch) > 1 and not is_transient(error):
+                    logger.warning("%d %s together failed (%r): one by one", len(batch), self._name, error)
+                    await self._one_by_one(batch)
+                else:
+                    for _, future in batch:
+                        _settle(future, error=error)
+            else:
+                for (_, future), outcome in zip(batch, outcomes, strict=True):
+                    _settle(future, outcome)
+        finally:  # cancelled (the loop ends): no caller waits forever
+            for _, future in batch if batch is not None else self._take():
+                future.cancel()
+            if not self._collecting and self.on_idle is not None:
+                self.on_idle()
+
+    async def _one_by_one(self, batch: list[tuple[Item, asyncio.Future[Outcome]]]) -> None:
+        for item, future in batch:
+            try:
+                outcome = await self._one(item)
+            except Exception as error:
+                _settle(future, error=error)
+            else:
+                _settle(future, outcome)
+
+
+def _settle(future: asyncio.Future[Outcome], outcome: Any = None, *, error: Exception | None = None) -> None:
+    if future.done():  # its caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(outcome)
 
 
 def _group_lost() -> OperationalError:

@@ -27,7 +27,9 @@ Reported:
 - `kill`: last, on the same servers, a batch with one server killed mid-way; episodes that fail as
   infrastructure are re-run (as the worker does within its attempt budget) and must all complete
   with reward 1.0.
+`--profile FILE [--profiler perf]` records the remote env's steady state (bench.profiles).
 Run from the repo root: .venv/bin/python bench/remote_envs.py [--episodes N] [--rounds R] [--quick]
+    [--profile FILE [--profiler perf]]
 Everything runs on uvloop where it is installed, as `python -m service serve` does (uvicorn's
 default). The last line of output is one JSON object.
 """
@@ -49,6 +51,7 @@ from openenv.core.env_server.mcp_types import CallToolAction
 from openenv.core.generic_client import GenericEnvClient
 
 from bench.common import percentiles_ms, run_loop
+from bench.profiles import PROFILERS, Profile, profiling
 from service.app import tune_garbage_collector
 from service.envs.base import Action, EnvSpec
 from service.envs.host import EnvHost
@@ -115,14 +118,17 @@ def remote_config(servers: list[EnvServer], cap: int) -> RemoteEnvConfig:
     )
 
 
-async def remote_run(servers: list[EnvServer], episodes: int, rounds: int) -> dict[str, Any]:
+async def remote_run(
+    servers: list[EnvServer], episodes: int, rounds: int, profile: Profile | None = None
+) -> dict[str, Any]:
     envs = RemoteEnvs([remote_config(servers, episodes)], local=None)  # type: ignore[arg-type]
     try:
         opened = sum(s.sessions()["opened"] for s in servers)
         first_round = await run_batch(envs, episodes)
         first_round["server_sessions_opened"] = sum(s.sessions()["opened"] for s in servers) - opened
         opened = sum(s.sessions()["opened"] for s in servers)
-        result = await run_batch(envs, episodes, rounds)
+        with profiling(os.getpid(), profile):
+            result = await run_batch(envs, episodes, rounds)
         result["server_sessions_opened"] = sum(s.sessions()["opened"] for s in servers) - opened
         result["first_round"] = first_round
     finally:
@@ -258,12 +264,14 @@ async def kill_run(servers: list[EnvServer], episodes: int) -> dict[str, Any]:
     }
 
 
-async def main_async(episodes: int, rounds: int, kill_episodes: int, steps: int) -> dict[str, Any]:
+async def main_async(
+    episodes: int, rounds: int, kill_episodes: int, steps: int, profile: Profile | None = None
+) -> dict[str, Any]:
     # One pair of servers for every run (each server's start imports openenv-core and gradio: seconds
     # of CPU), the kill run last.
     with env_servers(2, max_sessions=max(episodes, kill_episodes)) as servers:
         report: dict[str, Any] = {"servers": 2, "load_average_at_start": list(os.getloadavg())}
-        report["remote"] = await remote_run(servers, episodes, rounds)
+        report["remote"] = await remote_run(servers, episodes, rounds, profile)
         report["baseline_thread"] = await baseline_run("thread", episodes, rounds)
         report["baseline_process"] = await baseline_run("process", episodes, rounds)
         report["baseline_bare_client"] = await bare_run(servers, episodes, rounds)
@@ -296,13 +304,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--kill-episodes", type=int, default=400)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--quick", action="store_true", help="a tiny run (tests/test_bench_smoke.py)")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="the remote env's steady state recorded to FILE by --profiler (bench.profiles.Profile): "
+        "py-spy's raw stacks of the GIL holder, or perf's samples (and where their CPU went: FILE.json); "
+        "its CPU figure then includes the profiler's cost",
+    )
+    parser.add_argument("--profiler", choices=PROFILERS, default="py-spy")
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.kill_episodes, args.steps = 20, 10, 20
     else:  # process-wide: not in the smoke test, which runs in the suite's process
         tune_garbage_collector()
     # On uvloop, as `python -m service serve` runs (uvicorn's default); the baselines too.
-    report = run_loop(main_async(args.episodes, args.rounds, args.kill_episodes, args.steps))
+    profile = None if args.profile is None else Profile(args.profile, args.profiler)
+    report = run_loop(main_async(args.episodes, args.rounds, args.kill_episodes, args.steps, profile))
     print(json.dumps(report))
     return report
 

@@ -4,6 +4,7 @@ run for many parameter sets, which SQLAlchemy's own adapter refuses."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -64,7 +65,7 @@ async def test_a_statement_is_one_trip_and_an_idle_rollback_none(
     engine: AsyncEngine, trips: Counter[str]
 ) -> None:
     async with engine.connect() as connection:
-        await connection.exec_driver_sql("SELECT 1")  # autobegins: BEGIN, then the statement
+        await connection.exec_driver_sql("SELECT 1")  # autobegins: BEGIN, sent with the statement
         trips.clear()
         for _ in range(3):
             await connection.execute(text("SELECT * FROM t"))
@@ -75,6 +76,30 @@ async def test_a_statement_is_one_trip_and_an_idle_rollback_none(
     async with engine.connect():  # checked out and returned without a statement: nothing to roll back
         pass
     assert trips["rollback"] == 0
+
+
+async def test_a_transaction_begins_in_its_first_statements_trip(
+    engine: AsyncEngine, trips: Counter[str], tmp_path: Path
+) -> None:
+    """BEGIN IMMEDIATE goes with the transaction's first statement, in its trip, and takes the
+    write lock there; a transaction that runs no statement sends nothing, not even its commit."""
+    async with engine.begin() as connection:
+        trips.clear()
+        await connection.execute(text("INSERT INTO t (v) VALUES ('a')"))
+        assert trips == {"_run_statement": 1}
+        other = sqlite3.connect(tmp_path / "driver.db", timeout=0)
+        try:
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                other.execute("BEGIN IMMEDIATE")
+        finally:
+            other.close()
+    assert trips == {"_run_statement": 1, "commit": 1}
+    trips.clear()
+    async with engine.begin():
+        pass
+    assert trips == {}
+    async with engine.connect() as connection:  # the insert was committed
+        assert (await connection.execute(text("SELECT v FROM t"))).scalars().all() == ["a"]
 
 
 async def test_errors_are_sqlalchemys_and_roll_back(engine: AsyncEngine) -> None:

@@ -21,7 +21,7 @@ from sqlalchemy.exc import InvalidatePoolError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from service.storage.sqlite_driver import one_trip_dbapi
+from service.storage.sqlite_driver import OneTripConnection, one_trip_dbapi
 from service.storage.writer import Writer
 from service.text import all_finite
 
@@ -235,7 +235,12 @@ def _make_sqlite_transactional(engine: AsyncEngine, *, foreign_keys: bool) -> No
         # taking the single write lock, so a trainer pulling a large batch never holds up the
         # heartbeats and result writes.
         read_only = connection.get_execution_options().get(READ_ONLY_OPTION, False)
-        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+        begin = "BEGIN" if read_only else "BEGIN IMMEDIATE"
+        driver = connection.connection.dbapi_connection
+        if isinstance(driver, OneTripConnection):  # sent with the first statement, in its trip
+            driver.begin_with_next_statement(begin)
+        else:
+            connection.exec_driver_sql(begin)
 
     def interrupt(dbapi_connection: Any, connection_record: Any, exception: BaseException | None) -> None:
         # A connection is invalidated when a statement's caller was cancelled mid-statement (a

@@ -3,8 +3,9 @@
 aiosqlite runs each call on its connection's thread, and SQLAlchemy's cursor makes four calls of
 a statement (open a cursor, execute, fetch the rows, close it), each a hand-off to that thread and
 a wake-up of the event loop back: 1.9 trips a turn at 2,000 episodes in flight. Here a statement
-is one function run on that thread (the cursor opened, executed, fetched and closed there), and a
-rollback with no transaction open (sqlite3 would not send one) skips its trip. The results are
+is one function run on that thread (the cursor opened, executed, fetched and closed there); a
+transaction's BEGIN goes with its first statement (`begin_with_next_statement`), and a commit or
+rollback with no transaction open (sqlite3 would send nothing) skips its trip. The results are
 the same buffered rows SQLAlchemy's cursor fetches; server-side cursors are SQLAlchemy's own.
 """
 
@@ -29,10 +30,15 @@ from sqlalchemy.util.concurrency import await_
 _Outcome = tuple[Any, list[Any] | None, int, int | None, list[int] | None]
 
 
-def _run_statement(connection: sqlite3.Connection, operation: str, parameters: Any, many: bool) -> _Outcome:
-    """On the connection's thread: the statement executed, its rows fetched, its cursor closed."""
+def _run_statement(
+    connection: sqlite3.Connection, operation: str, parameters: Any, many: bool, begin: str | None
+) -> _Outcome:
+    """On the connection's thread: the transaction begun (`begin`, if given), the statement
+    executed, its rows fetched, its cursor closed."""
     cursor = connection.cursor()
     try:
+        if begin is not None:
+            cursor.execute(begin)
         if many and " RETURNING " in operation:
             return _run_each(cursor, operation, parameters)
         if many:
@@ -127,11 +133,13 @@ class OneTripCursor(AsyncAdapt_aiosqlite_cursor):
 
     async def _run(self, operation: Any, parameters: Any, *, many: bool) -> None:
         connection: aiosqlite.Connection = self._connection  # type: ignore[assignment]
-        async with self._adapt_connection._execute_mutex:
+        adapt_connection: OneTripConnection = self._adapt_connection  # type: ignore[assignment]
+        async with adapt_connection._execute_mutex:
+            begin, adapt_connection.begin = adapt_connection.begin, None
             # aiosqlite's own hand-off to its thread (as SQLAlchemy's isolation_level setter uses it):
             # its public calls are one trip each.
             outcome: _Outcome = await connection._execute(  # type: ignore[no-untyped-call]
-                _run_statement, connection._conn, operation, parameters, many
+                _run_statement, connection._conn, operation, parameters, many, begin
             )
         self._description, rows, self._rowcount, self._lastrowid, self.returned_per_parameters = outcome
         self._rows = deque(rows) if rows else deque()
@@ -150,15 +158,35 @@ class OneTripCursor(AsyncAdapt_aiosqlite_cursor):
 
 
 class OneTripConnection(AsyncAdapt_aiosqlite_connection):
-    __slots__ = ()
+    __slots__ = ("begin",)
     _cursor_cls = OneTripCursor  # type: ignore[assignment]  # a subclass of the base's cursor
 
-    def rollback(self) -> None:
-        # sqlite3's rollback() sends nothing outside a transaction: spare the trip. Readable from
-        # this thread (a flag of the connection), and no statement runs on it while it is returned.
+    def __init__(self, dbapi: Any, connection: Any) -> None:
+        super().__init__(dbapi, connection)
+        self.begin: str | None = None  # the BEGIN to send with the next statement
+
+    def begin_with_next_statement(self, begin: str) -> None:
+        """Begins a transaction with `begin` (BEGIN, BEGIN IMMEDIATE) in its first statement's trip,
+        where it would be a trip of its own: one of a short transaction's three. A transaction that
+        runs no statement sends nothing."""
+        self.begin = begin
+
+    def _in_transaction(self) -> bool:
+        # Readable from this thread (a flag of the connection), and no statement runs on it while
+        # its transaction ends.
+        self.begin = None
         connection = self._connection._connection  # None once closed
-        if connection is not None and connection.in_transaction:
+        return connection is not None and connection.in_transaction
+
+    def rollback(self) -> None:
+        # sqlite3's rollback() sends nothing outside a transaction: spare the trip.
+        if self._in_transaction():
             super().rollback()
+
+    def commit(self) -> None:
+        # Nor does its commit(): a transaction whose BEGIN was never sent (no statement ran).
+        if self._in_transaction():
+            super().commit()
 
 
 class OneTripDBAPI(AsyncAdapt_aiosqlite_dbapi):

@@ -171,21 +171,22 @@ class OneTripConnection(AsyncAdapt_aiosqlite_connection):
         runs no statement sends nothing."""
         self.begin = begin
 
-    def _in_transaction(self) -> bool:
-        # Readable from this thread (a flag of the connection), and no statement runs on it while
-        # its transaction ends.
+    def _ending(self) -> bool:
+        """Whether a transaction is open to end (its BEGIN, if never sent, is dropped). Readable
+        from this thread (a flag of the connection), and no statement runs on it while its
+        transaction ends."""
         self.begin = None
         connection = self._connection._connection  # None once closed
         return connection is not None and connection.in_transaction
 
     def rollback(self) -> None:
         # sqlite3's rollback() sends nothing outside a transaction: spare the trip.
-        if self._in_transaction():
+        if self._ending():
             super().rollback()
 
     def commit(self) -> None:
         # Nor does its commit(): a transaction whose BEGIN was never sent (no statement ran).
-        if self._in_transaction():
+        if self._ending():
             super().commit()
 
 

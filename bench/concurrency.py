@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 
+from bench import profiles  # noqa: E402
 from bench.common import (  # noqa: E402
     SHOP_TEST_TASKS,
     HealthProbe,
@@ -47,7 +48,7 @@ from bench.common import (  # noqa: E402
     run_loop,
     sim_worker,
 )
-from bench.profiles import PROFILERS, Profile, profiling  # noqa: E402
+from bench.profiles import Profile, profiling  # noqa: E402
 from service.app import create_app  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.engine.transport import Reply, SocketTransport  # noqa: E402
@@ -466,15 +467,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--split", default="test")
     parser.add_argument("--baseline-env", default=None, help="Run this env first, the same way, and compare.")
     parser.add_argument("--baseline-split", default="test")
-    parser.add_argument(
-        "--profile",
-        type=Path,
-        default=None,
-        help="the measured run recorded to FILE by --profiler (bench.profiles.Profile): py-spy's raw stacks "
-        "(--gil --idle --threads), or perf's samples (and where their CPU went: FILE.json); CPU figures "
-        "then include the profiler's cost: compare profiled runs only with each other",
-    )
-    parser.add_argument("--profiler", choices=PROFILERS, default="py-spy")
+    profiles.add_arguments(parser, "the measured run, to FILE (py-spy: --gil --idle --threads)")
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.latency = 50, 0.05
@@ -490,7 +483,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.database,
             env,
             split,
-            None if args.profile is None else Profile(args.profile, args.profiler),
+            profiles.from_arguments(args),
         )
 
     if args.baseline_env is None:

@@ -12,6 +12,7 @@ Samples with no Python frame (a C thread, the interpreter itself) count as "(no 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -55,6 +56,25 @@ class Profile:
     def __post_init__(self) -> None:
         if self.profiler not in PROFILERS:
             raise ValueError(f"profiler must be one of {PROFILERS}, not {self.profiler!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, recorded: str) -> None:
+    """A bench's `--profile FILE` and `--profiler`; `recorded` says what is recorded, and where."""
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=f"{recorded}, recorded by --profiler (bench.profiles.Profile): py-spy's raw stacks, or perf's "
+        "samples (and where their CPU went, beside them: .json); CPU figures then include the profiler's "
+        "cost: compare profiled runs only with each other",
+    )
+    parser.add_argument("--profiler", choices=PROFILERS, default="py-spy")
+
+
+def from_arguments(args: argparse.Namespace) -> Profile | None:
+    """The Profile that `add_arguments`' options ask for, if any."""
+    return None if args.profile is None else Profile(args.profile, args.profiler)
 
 
 def profiled_env(profile: Profile | None) -> dict[str, str]:

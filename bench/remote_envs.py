@@ -50,8 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from openenv.core.env_server.mcp_types import CallToolAction
 from openenv.core.generic_client import GenericEnvClient
 
+from bench import profiles
 from bench.common import percentiles_ms, run_loop
-from bench.profiles import PROFILERS, Profile, profiling
+from bench.profiles import Profile, profiling
 from service.app import tune_garbage_collector
 from service.envs.base import Action, EnvSpec
 from service.envs.host import EnvHost
@@ -304,22 +305,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--kill-episodes", type=int, default=400)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--quick", action="store_true", help="a tiny run (tests/test_bench_smoke.py)")
-    parser.add_argument(
-        "--profile",
-        type=Path,
-        default=None,
-        help="the remote env's steady state recorded to FILE by --profiler (bench.profiles.Profile): "
-        "py-spy's raw stacks of the GIL holder, or perf's samples (and where their CPU went: FILE.json); "
-        "its CPU figure then includes the profiler's cost",
-    )
-    parser.add_argument("--profiler", choices=PROFILERS, default="py-spy")
+    profiles.add_arguments(parser, "the remote env's steady state, to FILE (py-spy: the GIL holder)")
     args = parser.parse_args(argv)
     if args.quick:
         args.episodes, args.kill_episodes, args.steps = 20, 10, 20
     else:  # process-wide: not in the smoke test, which runs in the suite's process
         tune_garbage_collector()
     # On uvloop, as `python -m service serve` runs (uvicorn's default); the baselines too.
-    profile = None if args.profile is None else Profile(args.profile, args.profiler)
+    profile = profiles.from_arguments(args)
     report = run_loop(main_async(args.episodes, args.rounds, args.kill_episodes, args.steps, profile))
     print(json.dumps(report))
     return report

@@ -47,8 +47,9 @@ sys.path.insert(0, str(TASKSETS))
 
 import httpx  # noqa: E402
 
+from bench import profiles  # noqa: E402
 from bench.common import cpu_seconds_of, fresh_database, percentiles_ms, stop, wait_healthy  # noqa: E402
-from bench.profiles import PROFILERS, Profile, profiled_env, profiling  # noqa: E402
+from bench.profiles import Profile, profiled_env, profiling  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 SHOP_TRAIN_TASKS = 200
@@ -234,12 +235,11 @@ def main() -> None:
     )
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--latency", type=float, default=0.05)
-    parser.add_argument(
-        "--profile", type=Path, default=None, help="each phase's service recorded into DIR by --profiler"
+    profiles.add_arguments(
+        parser, "each phase's service, to PHASE.txt (py-spy) or PHASE.data (perf) in the directory FILE"
     )
-    parser.add_argument("--profiler", choices=PROFILERS, default="py-spy", help="see bench.profiles.Profile")
     args = parser.parse_args()
-    profile = None if args.profile is None else Profile(args.profile, args.profiler)
+    profile = profiles.from_arguments(args)
     episodes = args.episodes or (1000 if args.agent == "light" else 32)
     with (
         tempfile.TemporaryDirectory() as tmp_name,

@@ -135,7 +135,7 @@ class OneTripCursor(AsyncAdapt_aiosqlite_cursor):
         connection: aiosqlite.Connection = self._connection  # type: ignore[assignment]
         adapt_connection: OneTripConnection = self._adapt_connection  # type: ignore[assignment]
         async with adapt_connection._execute_mutex:
-            begin, adapt_connection.begin = adapt_connection.begin, None
+            begin, adapt_connection.pending_begin = adapt_connection.pending_begin, None
             # aiosqlite's own hand-off to its thread (as SQLAlchemy's isolation_level setter uses it):
             # its public calls are one trip each.
             outcome: _Outcome = await connection._execute(  # type: ignore[no-untyped-call]
@@ -158,24 +158,24 @@ class OneTripCursor(AsyncAdapt_aiosqlite_cursor):
 
 
 class OneTripConnection(AsyncAdapt_aiosqlite_connection):
-    __slots__ = ("begin",)
+    __slots__ = ("pending_begin",)
     _cursor_cls = OneTripCursor  # type: ignore[assignment]  # a subclass of the base's cursor
 
     def __init__(self, dbapi: Any, connection: Any) -> None:
         super().__init__(dbapi, connection)
-        self.begin: str | None = None  # the BEGIN to send with the next statement
+        self.pending_begin: str | None = None  # the BEGIN to send with the next statement
 
     def begin_with_next_statement(self, begin: str) -> None:
         """Begins a transaction with `begin` (BEGIN, BEGIN IMMEDIATE) in its first statement's trip,
         where it would be a trip of its own: one of a short transaction's three. A transaction that
         runs no statement sends nothing."""
-        self.begin = begin
+        self.pending_begin = begin
 
     def _ending(self) -> bool:
         """Whether a transaction is open to end (its BEGIN, if never sent, is dropped). Readable
         from this thread (a flag of the connection), and no statement runs on it while its
         transaction ends."""
-        self.begin = None
+        self.pending_begin = None
         connection = self._connection._connection  # None once closed
         return connection is not None and connection.in_transaction
 

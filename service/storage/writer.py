@@ -77,9 +77,17 @@ class Writer:
         self._group: _Group | None = None
         self._commits: set[asyncio.Task[None]] = set()
         self._closed = False
-        # Whether the driver returns each parameter set's rows of an UPDATE or DELETE ... RETURNING
-        # run for many (service/storage/db.py sets it for SQLite's): then `execute` batches.
-        self._many_returning = bind is not None and bind.dialect.update_executemany_returning
+        # The statements whose rows of each parameter set the driver returns when run for many
+        # (service/storage/db.py says so of SQLite's UPDATEs and DELETEs): `execute` batches those.
+        dialect = bind.dialect if bind is not None else None
+        self._batched: tuple[type[Update | Delete], ...] = tuple(
+            kind
+            for kind, many_returning in (
+                (Update, dialect is not None and dialect.update_executemany_returning),
+                (Delete, dialect is not None and dialect.delete_executemany_returning),
+            )
+            if many_returning
+        )
         self._batches: dict[_StatementKey, WriteBatches[Mapping[str, Any], list[Row[Any]]]] = {}
 
     @property
@@ -117,7 +125,7 @@ class Writer:
         WHERE. Hand-written on a measured hot path too: an agent-driven episode made 3.5 such
         writes, each a SQLAlchemy execution of its own, and storage was half the service's CPU per
         call (bench/verifiers_envs.py, profiled)."""
-        if not (self._many_returning and isinstance(statement, Update | Delete)):
+        if not isinstance(statement, self._batched):
             return await self._execute_alone(statement, parameters)
         key = (statement, frozenset(parameters))
         batches = self._batches.get(key)

@@ -61,9 +61,15 @@ def sampled_by_engine(sims: list[SimWorker]) -> dict[str, int]:
     return counts
 
 
-async def wait_for_a_turn_in_flight(sims: list[SimWorker], deadline: float) -> None:
+async def wait_for_a_turn_in_flight(sims: list[SimWorker], http: httpx.AsyncClient, deadline: float) -> None:
+    """Until a turn is at an engine, or the batch has finished (without resumes, the first update can
+    fail every episode: nothing is left for the next one to cut)."""
     # The simulated workers serve from their own threads: polled, as no event of this loop can tell.
-    while not any(sim.running for sim in sims) and time.monotonic() < deadline:  # noqa: ASYNC110
+    polls = 0
+    while not any(sim.running for sim in sims) and time.monotonic() < deadline:
+        polls += 1
+        if polls % 20 == 0 and (await http.get("/batches/weights")).json()["complete"]:
+            return
         await asyncio.sleep(0.01)
 
 
@@ -109,7 +115,7 @@ async def run_batch(
                 await asyncio.sleep(interval)
                 # An update cuts the turns in flight: wait for one (a loaded machine may still be
                 # claiming), so that every update cuts something and the figures are never empty.
-                await wait_for_a_turn_in_flight(sims, submitted + IN_FLIGHT_TIMEOUT_SECONDS)
+                await wait_for_a_turn_in_flight(sims, http, submitted + IN_FLIGHT_TIMEOUT_SECONDS)
                 started = time.monotonic()
                 rounds = await abort_servers_until_idle(urls, SLIME_ABORT_RETRY_SECONDS)
                 loops.append({"rounds": max(rounds), "seconds": round(time.monotonic() - started, 2)})

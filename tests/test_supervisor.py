@@ -98,9 +98,15 @@ async def run_watching_owners(db: Database, batch_id: str) -> tuple[list[Episode
     return await episodes_of(db, batch_id), owners
 
 
-def assert_ran_once(sim: SimWorker, episode: Episode, attempt: int = 0) -> None:
-    assert episode.status in {"completed", "truncated", "aborted"}, (episode.id, episode.error)
-    assert episode.attempt == attempt and max(attempts_seen(sim, episode.id)) == attempt
+def assert_ran_once(
+    sim: SimWorker, episode: Episode, attempt: int = 0, service: ServiceProcess | None = None
+) -> None:
+    """A failure carries what `service`'s log says of leases and of the episode (a lease lost shows there)."""
+    log = "" if service is None else episode_log(service, episode.id)
+    assert episode.status in {"completed", "truncated", "aborted"}, (episode.id, episode.error, log)
+    assert episode.attempt == attempt and max(attempts_seen(sim, episode.id)) == attempt, (
+        episode.id, episode.attempt, attempt, attempts_seen(sim, episode.id), log
+    )  # fmt: skip
     tokens = episode.tokens()
     assert tokens is not None
     calls = sim_calls(sim, episode.id, attempt)
@@ -111,6 +117,11 @@ def assert_ran_once(sim: SimWorker, episode: Episode, attempt: int = 0) -> None:
     assert_trainer_contract(
         tokens.prompt_ids, tokens.response_ids, tokens.loss_mask, tokens.rollout_logprobs, calls
     )
+
+
+def episode_log(service: ServiceProcess, episode_id: str) -> str:
+    lines = service.log_path.read_text(errors="replace").splitlines()
+    return "\n".join(line for line in lines if episode_id in line or "re-queued" in line or "lease" in line)
 
 
 def messages_of(service: ServiceProcess, pid: int) -> list[str]:
@@ -192,7 +203,7 @@ async def test_sigterm_to_the_parent_drains_every_process(
 
     assert [episode.id for episode in episodes] == episode_ids
     for episode in episodes:
-        assert_ran_once(sim, episode, attempt=1 if episode.id in released else 0)
+        assert_ran_once(sim, episode, attempt=1 if episode.id in released else 0, service=first)
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
@@ -235,7 +246,7 @@ async def test_a_process_that_dies_is_replaced_and_its_episodes_rerun(
     assert [episode.id for episode in episodes] == episode_ids
     for episode in episodes:
         # The victim's episodes were re-queued when their lease expired and ran again, once.
-        assert_ran_once(sim, episode, attempt=1 if episode.id in interrupted else 0)
+        assert_ran_once(sim, episode, attempt=1 if episode.id in interrupted else 0, service=service)
 
 
 def alive(pid: int) -> bool:

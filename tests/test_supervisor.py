@@ -101,11 +101,12 @@ async def run_watching_owners(db: Database, batch_id: str) -> tuple[list[Episode
 def assert_ran_once(
     sim: SimWorker, episode: Episode, attempt: int = 0, service: ServiceProcess | None = None
 ) -> None:
-    """A failure carries what `service`'s log says of leases and of the episode (a lease lost shows there)."""
-    log = "" if service is None else episode_log(service, episode.id)
-    assert episode.status in {"completed", "truncated", "aborted"}, (episode.id, episode.error, log)
+    """A failure shows what `service`'s log says of the episode and of leases (a lease lost shows there)."""
+    assert episode.status in {"completed", "truncated", "aborted"}, (
+        episode.id, episode.error, episode_log(service, episode.id)
+    )  # fmt: skip
     assert episode.attempt == attempt and max(attempts_seen(sim, episode.id)) == attempt, (
-        episode.id, episode.attempt, attempt, attempts_seen(sim, episode.id), log
+        episode.id, episode.attempt, attempt, attempts_seen(sim, episode.id), episode_log(service, episode.id)
     )  # fmt: skip
     tokens = episode.tokens()
     assert tokens is not None
@@ -119,7 +120,9 @@ def assert_ran_once(
     )
 
 
-def episode_log(service: ServiceProcess, episode_id: str) -> str:
+def episode_log(service: ServiceProcess | None, episode_id: str) -> str:
+    if service is None:
+        return ""
     lines = service.log_path.read_text(errors="replace").splitlines()
     return "\n".join(line for line in lines if episode_id in line or "re-queued" in line or "lease" in line)
 

@@ -47,6 +47,7 @@ from service.storage.models import Episode  # noqa: E402
 SAMPLES = 8  # per task: a GRPO group
 SLIME_ABORT_RETRY_SECONDS = 3.0
 IN_FLIGHT_TIMEOUT_SECONDS = 60.0  # from the submit until some turn is at the engine
+BATCH_ID = "weights"
 GOAL = "0 episodes lost and 0 tokens sampled twice across the weight updates"
 
 
@@ -68,7 +69,7 @@ async def wait_for_a_turn_in_flight(sims: list[SimWorker], http: httpx.AsyncClie
     polls = 0
     while not any(sim.running for sim in sims) and time.monotonic() < deadline:
         polls += 1
-        if polls % 20 == 0 and (await http.get("/batches/weights")).json()["complete"]:
+        if polls % 20 == 0 and (await http.get(f"/batches/{BATCH_ID}")).json()["complete"]:
             return
         await asyncio.sleep(0.01)
 
@@ -100,7 +101,7 @@ async def run_batch(
             httpx.AsyncClient(base_url=url, timeout=600) as http,
         ):
             body = {
-                "batch_id": "weights",
+                "batch_id": BATCH_ID,
                 "env": "builtin/shop",
                 "task_split": "train",
                 "task_indices": list(range(episodes // SAMPLES)),
@@ -122,12 +123,12 @@ async def run_batch(
                 for sim in sims:
                     sim.update_weights(str(version), abort_all=False)
             last_update = time.monotonic()
-            batch = (await http.get("/batches/weights", params={"wait": 1800})).json()
+            batch = (await http.get(f"/batches/{BATCH_ID}", params={"wait": 1800})).json()
             tail = time.monotonic() - last_update
     database = Database.open(database_url)
     try:
         async with database.sessionmaker() as session:
-            stored = list(await session.scalars(select(Episode).where(Episode.batch_id == "weights")))
+            stored = list(await session.scalars(select(Episode).where(Episode.batch_id == BATCH_ID)))
     finally:
         await database.dispose()
     engine_tokens = sampled_by_engine(sims)

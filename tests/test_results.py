@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event, select, update
-from sqlalchemy.exc import DBAPIError, StatementError
+from sqlalchemy.exc import DBAPIError, OperationalError, StatementError
 
 from service.records import EpisodeResult
 from service.storage.db import Database, utcnow
@@ -72,10 +72,14 @@ async def test_results_finished_together_are_stored_by_one_executemany(db: Datab
     assert set(rows.values()) == {("completed", 1)}
 
 
-async def test_a_result_alone_is_one_statement_on_sqlite_and_fails_alone(db: Database, backend: str) -> None:
-    """A result stored alone runs its one UPDATE without the block's savepoint on SQLite, whose
-    statement journal lets a failed statement fail alone; PostgreSQL keeps the savepoint. Either
-    way a result that cannot be stored fails alone: the block that shares its group commits."""
+async def test_a_result_alone_is_one_statement_and_fails_alone_or_with_its_group(
+    db: Database, backend: str
+) -> None:
+    """A result stored alone runs its one UPDATE without a savepoint, as `Writer.execute` does. A
+    result that cannot be stored gets its own error, nothing of it written; on SQLite (a statement
+    that fails fails alone) the block that shares its group commits; on PostgreSQL its group is
+    lost: that block's caller gets a retryable error, nothing of it committed, and retried it
+    commits."""
     await enqueue(db, groups=1, samples=2)
     good, bad = await claim_episodes(db.writer, "w1", 2, LEASE_SECONDS)
     writer = Writer(db.sessionmaker, window_seconds=0.5)  # the blocks below share one group
@@ -83,7 +87,7 @@ async def test_a_result_alone_is_one_statement_on_sqlite_and_fails_alone(db: Dat
     statements = Statements(db)
     try:
         assert await writes.finish(good.id, good.attempt, outcome(length=4)) is True
-        alone = statements.savepoints
+        assert statements.savepoints == 0
         unencodable = EpisodeResult(outcome().status, 1.0, None, [], {"not json": object()})
 
         async def renew() -> set[str]:
@@ -94,11 +98,14 @@ async def test_a_result_alone_is_one_statement_on_sqlite_and_fails_alone(db: Dat
         refused, renewed = await asyncio.gather(
             writes.finish(bad.id, bad.attempt, unencodable), renew(), return_exceptions=True
         )
+        if backend == "postgres":
+            assert isinstance(renewed, OperationalError) and "nothing was committed" in str(renewed)
+            renewed = await renew()
     finally:
         statements.close()
         await writer.aclose()
-    assert statements.updates == [1, 1]  # the good result, then the other block (the bad one never ran)
-    assert alone == (0 if backend == "sqlite" else 1)
+    # The good result, then the other block (the bad one never ran), and on PostgreSQL its retry.
+    assert statements.updates == [1, 1] + ([1] if backend == "postgres" else [])
     assert isinstance(refused, StatementError) and renewed == {good.id}
     rows = await stored_rows(db, [good.id, bad.id])
     assert rows == {good.id: ("completed", 1), bad.id: ("running", None)}

@@ -5,9 +5,10 @@ otherwise open as many write transactions at once: on SQLite they queue for the 
 write lock (`database is locked`, pool timeouts, late lease renewals), on PostgreSQL they fill the
 pool and each pays its own commit. Here a write is a block of statements run, one block at a time,
 inside the current group transaction (under a savepoint, so a refused block rolls back alone; or
-without one: a single statement, `execute`, and a batch, WriteBatches); the group commits WRITE_WINDOW_SECONDS after its first
-block, or at once when MAX_GROUP_BLOCKS joined it, and every block's caller returns once its group
-committed. Readers use their own connections and never wait behind it.
+without one: a single statement, `execute`, and a batch, WriteBatches); the group commits
+WRITE_WINDOW_SECONDS after its first block, or at once when MAX_GROUP_BLOCKS joined it, and every
+block's caller returns once its group committed. Readers use their own connections and never wait
+behind it.
 
 Writes of one kind that reach the writer while it is busy run by one block (WriteBatches): the
 results of finished episodes (service/storage/results.py), and, where the driver runs an

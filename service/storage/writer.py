@@ -80,15 +80,17 @@ class Writer:
         self._closed = False
         # The statements whose rows of each parameter set the driver returns when run for many
         # (service/storage/db.py says so of SQLite's UPDATEs and DELETEs): `execute` batches those.
-        dialect = bind.dialect if bind is not None else None
-        self._batched: tuple[type[Update | Delete], ...] = tuple(
-            kind
-            for kind, many_returning in (
-                (Update, dialect is not None and dialect.update_executemany_returning),
-                (Delete, dialect is not None and dialect.delete_executemany_returning),
+        self._batched: tuple[type[Update | Delete], ...] = ()
+        if bind is not None:
+            dialect = bind.dialect
+            self._batched = tuple(
+                kind
+                for kind, many_returning in (
+                    (Update, dialect.update_executemany_returning),
+                    (Delete, dialect.delete_executemany_returning),
+                )
+                if many_returning
             )
-            if many_returning
-        )
         self._batches: dict[_StatementKey, WriteBatches[Mapping[str, Any], list[Row[Any]]]] = {}
 
     @property

@@ -272,7 +272,7 @@ class WriteBatches(Generic[Item, Outcome]):
     (rolled back whole: its other blocks' callers get a retryable error, as when a commit fails), so
     nothing of it is written. Hand-written on a measured hot path: the savepoint and its release
     were two of the three statements of most result batches on PostgreSQL, and without them the
-    service's CPU per turn at 2,000 in flight fell by 8% (bench/concurrency.py, 6 alternated runs).
+    service's CPU per turn at 2,000 in flight fell by 8% (bench/concurrency.py, 6 alternated pairs).
     `on_idle`, if set, is called when a batch was written and no other waits."""
 
     def __init__(

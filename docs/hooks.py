@@ -234,27 +234,24 @@ def settings_tables() -> str:
     return "\n".join(lines)
 
 
-def metric_collectors() -> list[Any]:
-    from prometheus_client import CollectorRegistry
+def metric_series() -> list[tuple[str, str, tuple[str, ...], str]]:
+    """Every series of /metrics: (name, type, labels, help), the app's then the env pools'."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    from service.envs.remote.pool import PoolMetrics
+    from service.envs.remote.pool import SERIES
     from service.metrics import Metrics
 
-    metrics = Metrics()
-    pool = PoolMetrics(CollectorRegistry())
-    found = [value for value in vars(metrics).values() if isinstance(value, MetricWrapperBase)]
-    found += [value for value in vars(pool).values() if isinstance(value, MetricWrapperBase)]
-    return found
+    found = [value for value in vars(Metrics()).values() if isinstance(value, MetricWrapperBase)]
+    series = [(c._name, c._type, tuple(c._labelnames), c._documentation) for c in found]
+    return series + [(s.name, s.type, s.labels, s.documentation) for s in SERIES]
 
 
 def metrics_table() -> str:
     rows = ["| series | type | labels | |", "| --- | --- | --- | --- |"]
-    for collector in metric_collectors():
-        kind = collector._type
-        name = collector._name + ("_total" if kind == "counter" else "")
-        labels = ", ".join(f"`{label}`" for label in collector._labelnames) or ""
-        rows.append(f"| `{name}` | {kind} | {labels} | {cell(collector._documentation)} |")
+    for name, kind, labelnames, documentation in metric_series():
+        name += "_total" if kind == "counter" else ""
+        labels = ", ".join(f"`{label}`" for label in labelnames) or ""
+        rows.append(f"| `{name}` | {kind} | {labels} | {cell(documentation)} |")
     return "\n".join(rows)
 
 

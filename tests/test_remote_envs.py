@@ -194,7 +194,9 @@ async def test_a_timed_out_tool_call_is_not_resent_and_fails_as_infrastructure(
     def calls() -> dict[str, float]:
         return {
             sample.labels["call"]: sample.value
-            for sample in envs.metrics.calls.collect()[0].samples
+            for family in envs.metrics.collect()
+            if family.name == "rollout_env_server_calls"
+            for sample in family.samples
             if sample.name.endswith("_total")
         }
 

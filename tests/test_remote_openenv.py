@@ -12,14 +12,17 @@ import subprocess
 import sys
 
 import httpx
+import prometheus_client
 import pytest
+from prometheus_client import CollectorRegistry
 
 from service.app import create_app
 from service.envs.base import Action
+from service.envs.remote import pool as pool_module
 from service.envs.remote.config import RemoteEnvConfig
 from service.envs.remote.openenv_actions import LIST_TOOLS, call_tool_payload
 from service.envs.remote.opener import RemoteEnvs
-from service.envs.remote.pool import PoolMetrics, ServerPool
+from service.envs.remote.pool import CALL_BUCKETS_SECONDS, SERIES, PoolMetrics, ServerPool
 from service.serving import serve_app
 from service.sim.policy import SimConfig
 from service.sim.worker import SimWorker, create_sim_app, serve_in_thread
@@ -214,6 +217,68 @@ async def test_a_freed_slot_goes_to_the_first_waiter_still_waiting() -> None:
         assert not waiters[2].done()
         await pool.check()  # its health check passes: back, and the waiter placed
         assert await waiters[2] is server and server.sessions == 1
+    finally:
+        await pool.close()
+
+
+async def test_the_pools_series_read_as_prometheus_clients_own_metrics_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PoolMetrics reads each server's plain counts at scrape time: its exposition is the one
+    prometheus_client's labelled Gauge, Counter and Histogram write for the same calls."""
+
+    async def healthy(url: str) -> None:
+        return None
+
+    registry, reference = CollectorRegistry(), CollectorRegistry()
+    pool = ServerPool(
+        ENV,
+        ["http://a", "http://b"],
+        max_sessions_per_server=4,
+        health_check=healthy,
+        metrics=PoolMetrics(registry),
+    )
+    theirs = {
+        series.name: getattr(prometheus_client, series.type.title())(
+            series.name,
+            series.documentation,
+            series.labels,
+            registry=reference,
+            **({"buckets": CALL_BUCKETS_SECONDS} if series.type == "histogram" else {}),
+        )
+        for series in SERIES
+    }
+    a, b = pool.servers
+    calls = [(a, "reset", 0.0004), (a, "step", 0.003), (a, "step", 0.7), (a, "step", 0.01), (b, "open", 90.0)]
+    try:
+        await pool.acquire()
+        await pool.acquire()
+        pool.mark_down(b, "test")
+        for server, kind, seconds in calls:
+            clock = iter((0.0, seconds))  # the call's start and end as the timer reads them
+            monkeypatch.setattr(pool_module.time, "perf_counter", lambda clock=clock: next(clock))
+            with pool.call(server, kind):
+                pass
+            monkeypatch.undo()
+            theirs["rollout_env_server_calls"].labels(ENV, server.url, kind).inc()
+            theirs["rollout_env_server_call_seconds"].labels(ENV, server.url).observe(seconds)
+        pool.failed(b, "timeout", "slow")
+        pool.failed(b, "timeout", "slow")
+        theirs["rollout_env_server_errors"].labels(ENV, b.url, "timeout").inc(2)
+        for server in (a, b):
+            theirs["rollout_env_server_sessions_open"].labels(ENV, server.url).set(server.sessions)
+            theirs["rollout_env_server_up"].labels(ENV, server.url).set(1 if server.healthy else 0)
+
+        def exposition(of: CollectorRegistry) -> list[str]:
+            lines = prometheus_client.generate_latest(of).decode().splitlines()
+            return [line for line in lines if "_created" not in line]
+
+        ours = exposition(registry)
+        assert ours == exposition(reference)
+        assert (
+            f'rollout_env_server_call_seconds_bucket{{env="{ENV}",le="0.01",server="http://a"}} 3.0' in ours
+        )
+        assert f'rollout_env_server_up{{env="{ENV}",server="http://b"}} 0.0' in ours
     finally:
         await pool.close()
 

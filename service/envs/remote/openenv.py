@@ -18,6 +18,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
 from websockets.protocol import State
 
+from service.call_timeouts import CallTimeouts
 from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
 from service.envs.remote.config import RemoteEnvConfig
 from service.envs.remote.errors import EnvServerError, server_failure
@@ -88,6 +89,8 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
 
     proxy: str | None = None
     tools: list[dict[str, Any]] | None = None  # the session's tools, listed once per session
+    timeouts: CallTimeouts  # the env's: each answer awaited within its call timeout
+    expired = False  # whether a call outlived its timeout (its connection was then aborted)
 
     async def connect(self) -> SessionClient:
         if self._ws is not None:  # type: ignore[has-type]
@@ -130,10 +133,24 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
         await ws.send(data, text=True)
 
     async def _receive(self) -> dict[str, Any]:
-        async with asyncio.timeout(self._message_timeout):
+        timeouts = self.timeouts
+        timeouts.add(self, self._expire)
+        try:
             raw = await self._ws.recv(decode=False)  # orjson reads the UTF-8 bytes: not decoded twice
+        except ConnectionClosed as closed:
+            if self.expired:
+                raise TimeoutError(f"no answer within {timeouts.seconds:g} s") from closed
+            raise
+        finally:
+            timeouts.discard(self)
         answer: dict[str, Any] = orjson.loads(raw)
         return answer
+
+    def _expire(self) -> None:
+        """A call outlived its timeout: its connection is dropped (the server ends the session
+        with it), and the call raises TimeoutError."""
+        self.expired = True
+        self._ws.transport.abort()
 
     @property
     def open(self) -> bool:
@@ -241,6 +258,7 @@ class OpenEnvEnv:
         self.http = http  # an httpx.AsyncClient: the /schema request and the health checks
         self.pool = ServerPool.of(config, config.urls, self._health_check, metrics)
         self.actions: ActionSpace | None = None
+        self.timeouts = CallTimeouts(config.call_timeout_seconds)  # every session's call timeout
         self._learning = asyncio.Lock()
         self.idle = IdleSessions(
             self.pool,
@@ -264,11 +282,13 @@ class OpenEnvEnv:
             return self.actions
 
     def _new_client(self, server: Server) -> SessionClient:
-        return SessionClient(
+        client = SessionClient(
             base_url=server.url,
             connect_timeout_s=self.config.connect_timeout_seconds,
             message_timeout_s=self.config.call_timeout_seconds,
         )
+        client.timeouts = self.timeouts
+        return client
 
     async def open(self, split: str, task_index: int, episode_key: str) -> OpenEnvSession:
         """A session on the least-loaded healthy server, reset with the task, its tools listed. A
@@ -334,6 +354,7 @@ class OpenEnvEnv:
         """Closes the sessions kept for reuse and stops the health checks."""
         await self.idle.close()
         await self.pool.close()
+        self.timeouts.close()
 
 
 class _KeptSessionEnded(Exception):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import secrets
 import subprocess
 import sys
 
@@ -15,11 +16,14 @@ import httpx
 import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry
+from websockets.frames import OP_TEXT, Frame
+from websockets.streams import StreamReader
 
 from service.app import create_app
 from service.envs.base import Action
 from service.envs.remote import pool as pool_module
 from service.envs.remote.config import RemoteEnvConfig
+from service.envs.remote.openenv import text_frame
 from service.envs.remote.openenv_actions import LIST_TOOLS, call_tool_payload
 from service.envs.remote.opener import RemoteEnvs
 from service.envs.remote.pool import CALL_BUCKETS_SECONDS, SERIES, PoolMetrics, ServerPool
@@ -281,6 +285,24 @@ async def test_the_pools_series_read_as_prometheus_clients_own_metrics_would(
         assert f'rollout_env_server_up{{env="{ENV}",server="http://b"}} 0.0' in ours
     finally:
         await pool.close()
+
+
+@pytest.mark.parametrize("length", [0, 5, 125, 126, 65535, 65536, 70_000])
+def test_a_text_frame_is_the_one_websockets_serializes(length: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """text_frame (the session's hand-written send) writes what websockets' protocol would for the
+    same key, and websockets' own parser on the server side reads it back."""
+    payload = bytes(ord("a") + i % 26 for i in range(length))
+    keys = iter([b"\x01\x02\x03\x04"] * 2)
+    monkeypatch.setattr(secrets, "token_bytes", lambda n: next(keys))
+    ours = text_frame(payload)
+    assert ours == Frame(OP_TEXT, payload).serialize(mask=True)
+    reader = StreamReader()
+    reader.feed_data(ours)
+    parser = Frame.parse(reader.read_exact, mask=True)
+    with pytest.raises(StopIteration) as parsed:
+        next(parser)
+    frame = parsed.value.value
+    assert (frame.opcode, frame.fin, frame.data) == (OP_TEXT, True, payload)
 
 
 def test_the_openenv_client_is_imported_without_gradio_which_stays_importable() -> None:

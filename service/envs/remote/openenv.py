@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
+import struct
 import sys
 from typing import Any
 
 import orjson
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
+from websockets.frames import OP_TEXT
 from websockets.protocol import State
 
 from service.call_timeouts import CallTimeouts
@@ -30,6 +33,11 @@ from service.envs.remote.openenv_actions import (
 )
 from service.envs.remote.openenv_idle import IdleSessions
 from service.envs.remote.pool import PoolMetrics, Server, ServerPool
+
+try:  # the C masking websockets itself uses where it was built, else its Python one (as it does)
+    from websockets.speedups import apply_mask
+except ImportError:
+    from websockets.utils import apply_mask
 
 # openenv-core's GenericEnvClient, imported without gradio: importing the client imports the
 # package's server side, which imports its web interface (gradio) unless gradio is missing, a case
@@ -121,11 +129,11 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
         ):
             # Hand-written on a measured hot path: the frame written as Connection.send writes it,
             # without its context manager and drain (a third of the service's CPU per call over a
-            # kept session, profiled). Nothing to drain: one small message, then its answer is
-            # awaited; a connection that is closing, paused or mid-message takes the full path.
+            # kept session, profiled), and serialized here (text_frame). Nothing to drain: one
+            # small message, then its answer is awaited; a connection that is closing, paused or
+            # mid-message takes the full path.
             try:
-                ws.protocol.send_text(data)
-                ws.send_data()
+                ws.transport.write(text_frame(data))
             except Exception as error:
                 ws.transport.abort()
                 raise ConnectionClosedError(None, None) from error
@@ -155,6 +163,31 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
     @property
     def open(self) -> bool:
         return self._ws is not None and self._ws.state is State.OPEN
+
+
+def text_frame(payload: bytes) -> bytes:
+    """A client's final text frame of `payload`, as websockets' Protocol.send_text serializes it on
+    a connection without extensions (this client's: no compression): masked, its key from
+    `secrets` as websockets draws it (RFC 6455 asks a client for an unpredictable key).
+
+    Hand-written on a measured hot path (every env call): websockets' Frame dataclass, its checks,
+    its serialization through a BytesIO and the protocol's write queue were 5% of the service's CPU
+    per remote env call (perf, bench/remote_envs.py). Nothing of the protocol's state changes when
+    a whole data frame is sent."""
+    length = len(payload)
+    if length < 126:
+        head = _HEAD_SHORT.pack(_FIN_TEXT, _MASKED | length)
+    elif length < 65536:
+        head = _HEAD_16.pack(_FIN_TEXT, _MASKED | 126, length)
+    else:
+        head = _HEAD_64.pack(_FIN_TEXT, _MASKED | 127, length)
+    mask = secrets.token_bytes(4)
+    return b"".join((head, mask, apply_mask(payload, mask)))
+
+
+_FIN_TEXT = 0b10000000 | OP_TEXT  # FIN, opcode text
+_MASKED = 0b10000000
+_HEAD_SHORT, _HEAD_16, _HEAD_64 = struct.Struct("!BB"), struct.Struct("!BBH"), struct.Struct("!BBQ")
 
 
 class OpenEnvSession:

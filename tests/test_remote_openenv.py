@@ -16,14 +16,18 @@ import httpx
 import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry
+from websockets.asyncio.server import ServerConnection
+from websockets.asyncio.server import serve as ws_serve
+from websockets.exceptions import ConnectionClosed
 from websockets.frames import OP_TEXT, Frame
 from websockets.streams import StreamReader
 
 from service.app import create_app
+from service.call_timeouts import CallTimeouts
 from service.envs.base import Action
 from service.envs.remote import pool as pool_module
 from service.envs.remote.config import RemoteEnvConfig
-from service.envs.remote.openenv import text_frame
+from service.envs.remote.openenv import AnswerConnection, SessionClient, close_client, text_frame
 from service.envs.remote.openenv_actions import LIST_TOOLS, call_tool_payload
 from service.envs.remote.opener import RemoteEnvs
 from service.envs.remote.pool import CALL_BUCKETS_SECONDS, SERIES, PoolMetrics, ServerPool
@@ -303,6 +307,51 @@ def test_a_text_frame_is_the_one_websockets_serializes(length: int, monkeypatch:
         next(parser)
     frame = parsed.value.value
     assert (frame.opcode, frame.fin, frame.data) == (OP_TEXT, True, payload)
+
+
+async def test_a_sessions_answers_are_read_in_order_whatever_path_they_take() -> None:
+    """AnswerConnection hands an answer to the awaiting call as it is parsed; a message that came
+    while no call awaited, or in fragments, is read from websockets' queue, in order; the server's
+    pings are answered while a call awaits; a dropped connection fails the awaiting call."""
+
+    async def handler(ws: ServerConnection) -> None:
+        async for message in ws:
+            kind = json.loads(message)["type"]
+            if kind == "two":  # an answer, then one more nobody awaits yet
+                await ws.send('{"n": 1}')
+                await ws.send('{"n": 2}')
+            elif kind == "fragments":
+                await ws.send(['{"n":', " 3}"])
+            elif kind == "ping":
+                await asyncio.wait_for(await ws.ping(), 5)  # the client's pong
+                await ws.send('{"n": 4}')
+            elif kind == "drop":
+                ws.transport.abort()
+
+    async with ws_serve(handler, "127.0.0.1", 0) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        client = SessionClient(base_url=f"http://127.0.0.1:{port}", connect_timeout_s=5, message_timeout_s=5)
+        client.timeouts = CallTimeouts(5)
+        try:
+            await client.connect()
+            assert isinstance(client._ws, AnswerConnection)
+            await client._send({"type": "two"})
+            assert await client._receive() == {"n": 1}
+            await asyncio.sleep(0.2)  # the second arrives with no call awaiting it: queued
+            assert client._ws.queued == 1
+            assert await client._receive() == {"n": 2}
+            assert client._ws.queued == 0
+            for kind, n in (("fragments", 3), ("ping", 4), ("two", 1)):
+                await client._send({"type": kind})
+                assert await client._receive() == {"n": n}
+            assert await client._receive() == {"n": 2}  # awaited before it came, or queued: in order
+            await client._send({"type": "drop"})
+            with pytest.raises(ConnectionClosed):
+                await client._receive()
+            assert client._ws.answer is None and len(client.timeouts) == 0
+        finally:
+            client.timeouts.close()
+            await close_client(client, 5)
 
 
 def test_the_openenv_client_is_imported_without_gradio_which_stays_importable() -> None:

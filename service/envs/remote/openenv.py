@@ -16,10 +16,12 @@ import sys
 from typing import Any
 
 import orjson
+from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, ConnectionClosedError
-from websockets.frames import OP_TEXT
-from websockets.protocol import State
+from websockets.frames import DATA_OPCODES, OP_TEXT, Frame
+from websockets.protocol import Event, State
+from websockets.typing import BytesLike
 
 from service.call_timeouts import CallTimeouts
 from service.envs.base import RESPOND_ACTION_NAME, Action, Reset, Step
@@ -111,6 +113,7 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
                 compression=None,
                 proxy=self.proxy,
                 ping_interval=None,
+                create_connection=AnswerConnection,
             )
         except Exception as error:
             raise ConnectionError(f"Failed to connect to {self._ws_url}: {error}") from error
@@ -141,10 +144,22 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
         await ws.send(data, text=True)
 
     async def _receive(self) -> dict[str, Any]:
+        ws = self._ws
+        assert isinstance(ws, AnswerConnection), "connected by connect()"
         timeouts = self.timeouts
         timeouts.add(self, self._expire)
         try:
-            raw = await self._ws.recv(decode=False)  # orjson reads the UTF-8 bytes: not decoded twice
+            raw = None
+            if ws.protocol.state is State.OPEN and not ws.queued:
+                # The answer handed over as it is parsed (AnswerConnection.process_event).
+                waiter = ws.answer = ws.loop.create_future()
+                try:
+                    raw = await waiter
+                finally:
+                    ws.answer = None
+            if raw is None:  # a message in websockets' queue, or a connection closing or closed
+                raw = await ws.recv(decode=False)  # orjson reads the UTF-8 bytes: not decoded twice
+                ws.queued = max(0, ws.queued - 1)
         except ConnectionClosed as closed:
             if self.expired:
                 raise TimeoutError(f"no answer within {timeouts.seconds:g} s") from closed
@@ -163,6 +178,43 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
     @property
     def open(self) -> bool:
         return self._ws is not None and self._ws.state is State.OPEN
+
+
+class AnswerConnection(ClientConnection):
+    """websockets' client connection, a session's answer handed to the call awaiting it as its
+    frame is parsed. Hand-written on a measured hot path (every env call): the message assembler's
+    queue and its get and put were 6-8% of the service's CPU per remote env call (perf,
+    bench/remote_envs.py). A call awaits `answer`, which a final text frame fulfils with its
+    payload. Every other message (one in fragments, one that arrives while no call awaits: the
+    protocol's answers each follow their call) goes to websockets' own queue, counted in `queued`,
+    and a call reads it from there, as recv() would: an awaiting call is woken with None to do
+    so. Everything else (pings, close frames) is websockets' own path."""
+
+    answer: asyncio.Future[BytesLike | None] | None = None  # the awaiting call's, while one awaits
+    queued = 0  # whole messages in websockets' queue, ahead of the next answer
+
+    def process_event(self, event: Event) -> None:
+        answer = self.answer
+        if not isinstance(event, Frame) or event.opcode not in DATA_OPCODES:
+            super().process_event(event)  # the handshake's response, control frames
+        elif answer is not None and event.opcode is OP_TEXT and event.fin and not self.queued:
+            self.answer = None
+            answer.set_result(event.data)
+        else:
+            super().process_event(event)
+            if event.fin:
+                self.queued += 1
+                if answer is not None:
+                    self.answer = None
+                    answer.set_result(None)  # read it from the queue
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)  # (the protocol is closed)
+        answer, self.answer = self.answer, None
+        if answer is not None:
+            closed = self.protocol.close_exc
+            closed.__cause__ = self.recv_exc
+            answer.set_exception(closed)
 
 
 def text_frame(payload: bytes) -> bytes:

@@ -16,6 +16,7 @@ import httpx
 import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry
+from websockets.asyncio.connection import Connection
 from websockets.asyncio.server import ServerConnection
 from websockets.asyncio.server import serve as ws_serve
 from websockets.exceptions import ConnectionClosed
@@ -309,10 +310,23 @@ def test_a_text_frame_is_the_one_websockets_serializes(length: int, monkeypatch:
     assert (frame.opcode, frame.fin, frame.data) == (OP_TEXT, True, payload)
 
 
-async def test_a_sessions_answers_are_read_in_order_whatever_path_they_take() -> None:
-    """AnswerConnection hands an answer to the awaiting call as it is parsed; a message that came
-    while no call awaited, or in fragments, is read from websockets' queue, in order; the server's
-    pings are answered while a call awaits; a dropped connection fails the awaiting call."""
+async def test_a_sessions_answers_are_read_in_order_whatever_path_they_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """AnswerConnection reads an answer that comes as one whole frame itself, and hands any other
+    to websockets' parser (part of a frame, two frames in one read); a message that came while no
+    call awaited, or in fragments, is read from websockets' queue, in order; the server's pings are
+    answered while a call awaits; a dropped connection fails the awaiting call."""
+    parsed: list[bytes] = []  # the client's reads websockets' parser saw
+    parse = Connection.data_received
+
+    def counted(connection: Connection, data: bytes) -> None:
+        if isinstance(connection, AnswerConnection):
+            parsed.append(data)
+        parse(connection, data)
+
+    monkeypatch.setattr(Connection, "data_received", counted)
+    long = json.dumps({"n": 6, "text": "x" * 300}).encode()
 
     async def handler(ws: ServerConnection) -> None:
         async for message in ws:
@@ -325,6 +339,14 @@ async def test_a_sessions_answers_are_read_in_order_whatever_path_they_take() ->
             elif kind == "ping":
                 await asyncio.wait_for(await ws.ping(), 5)  # the client's pong
                 await ws.send('{"n": 4}')
+            elif kind == "split":  # a frame's header, then its payload, in two reads
+                ws.transport.write(b"\x81\x08")
+                await asyncio.sleep(0.1)
+                ws.transport.write(b'{"n": 5}')
+            elif kind == "double":  # two frames in one read
+                ws.transport.write(b'\x81\x08{"n": 7}\x81\x08{"n": 8}')
+            elif kind == "long":  # a 16-bit length
+                await ws.send(long.decode())
             elif kind == "drop":
                 ws.transport.abort()
 
@@ -335,6 +357,12 @@ async def test_a_sessions_answers_are_read_in_order_whatever_path_they_take() ->
         try:
             await client.connect()
             assert isinstance(client._ws, AnswerConnection)
+            for kind, answer in (("long", json.loads(long)), ("split", {"n": 5}), ("double", {"n": 7})):
+                parsed.clear()
+                await client._send({"type": kind})
+                assert await client._receive() == answer
+                assert len(parsed) == (0 if kind == "long" else 1 if kind == "double" else 2), kind
+            assert await client._receive() == {"n": 8}  # the second of the two, queued
             await client._send({"type": "two"})
             assert await client._receive() == {"n": 1}
             await asyncio.sleep(0.2)  # the second arrives with no call awaiting it: queued

@@ -152,7 +152,7 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
         try:
             raw = None
             if ws.protocol.state is State.OPEN and not ws.queued:
-                # The answer handed over as it is parsed (AnswerConnection.process_event).
+                # The answer handed over as it comes (AnswerConnection).
                 waiter = ws.answer = ws.loop.create_future()
                 try:
                     raw = await waiter
@@ -182,14 +182,15 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
 
 
 class AnswerConnection(ClientConnection):
-    """websockets' client connection, a session's answer handed to the call awaiting it as its
-    frame is parsed. Hand-written on a measured hot path (every env call): the message assembler's
-    queue and its get and put were 6-8% of the service's CPU per remote env call (perf,
-    bench/remote_envs.py). A call awaits `answer`, which a final text frame fulfils with its
-    payload. Every other message (one in fragments, one that arrives while no call awaits: the
-    protocol's answers each follow their call) goes to websockets' own queue, counted in `queued`,
-    and a call reads it from there, as recv() would: an awaiting call is woken with None to do
-    so. Everything else (pings, close frames) is websockets' own path."""
+    """websockets' client connection, a session's answer handed to the call awaiting it: read from
+    the socket's bytes where it came as one whole frame in one read (data_received), else as
+    websockets' parser hands its frame on (process_event). Hand-written on a measured hot path
+    (every env call): the message assembler's queue and its get and put were 6-8% of the service's
+    CPU per remote env call (perf, bench/remote_envs.py). A call awaits `answer`, which a final
+    text frame fulfils with its payload. Every other message (one in fragments, one that arrives
+    while no call awaits: the protocol's answers each follow their call) goes to websockets' own
+    queue, counted in `queued`, and a call reads it from there, as recv() would: an awaiting call
+    is woken with None to do so. Everything else (pings, close frames) is websockets' own path."""
 
     answer: asyncio.Future[BytesLike | None] | None = None  # the awaiting call's, while one awaits
     queued = 0  # whole messages in websockets' queue, ahead of the next answer

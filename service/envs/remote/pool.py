@@ -200,14 +200,13 @@ class ServerPool:
             raise ValueError(f"remote env {env!r} has no server URLs")
         self.env = env
         self.servers = [Server(url.rstrip("/"), max_sessions_per_server) for url in urls]
-        self.metrics = metrics
         self.health_interval_seconds = health_interval_seconds
         self.placement_timeout_seconds = placement_timeout_seconds
         self._health_check = health_check
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._turns = itertools.count()
         self._checker: asyncio.Task[None] | None = None
-        metrics.pools.append(self)
+        metrics.pools.append(self)  # its servers' counts, read at each scrape
 
     @classmethod
     def of(

@@ -196,12 +196,13 @@ async def test_a_dead_servers_episodes_say_which_server_failed_and_how(database_
         assert re.search(rf"{re.escape(dead)}.*refused the connection during ", error), error
 
 
+async def healthy(url: str) -> None:
+    """A health check that always passes (pools built without servers)."""
+
+
 async def test_a_freed_slot_goes_to_the_first_waiter_still_waiting() -> None:
     """Placement's queue: one waiter woken per freed slot, in order; a cancelled waiter passes its
     turn on; a server back in placement wakes them all."""
-
-    async def healthy(url: str) -> None:
-        return None
 
     pool = ServerPool(
         ENV,
@@ -235,9 +236,6 @@ async def test_the_pools_series_read_as_prometheus_clients_own_metrics_would(
 ) -> None:
     """PoolMetrics reads each server's plain counts at scrape time: its exposition is the one
     prometheus_client's labelled Gauge, Counter and Histogram write for the same calls."""
-
-    async def healthy(url: str) -> None:
-        return None
 
     registry, reference = CollectorRegistry(), CollectorRegistry()
     pool = ServerPool(

@@ -26,6 +26,7 @@ from websockets.streams import StreamReader
 from service.app import create_app
 from service.call_timeouts import CallTimeouts
 from service.envs.base import Action
+from service.envs.remote import openenv
 from service.envs.remote import pool as pool_module
 from service.envs.remote.config import RemoteEnvConfig
 from service.envs.remote.openenv import AnswerConnection, SessionClient, close_client, text_frame
@@ -231,6 +232,61 @@ async def test_a_freed_slot_goes_to_the_first_waiter_still_waiting() -> None:
         await pool.close()
 
 
+async def test_a_server_that_answered_since_the_last_round_is_not_probed() -> None:
+    """A health check round probes only the servers that answered no call since the last one (a
+    call that raised is no answer), and every server out of placement, answered or not."""
+    probed: list[str] = []
+
+    async def check(url: str) -> None:
+        probed.append(url)
+
+    pool = ServerPool(
+        ENV,
+        ["http://a", "http://b"],
+        max_sessions_per_server=1,
+        health_check=check,
+        metrics=PoolMetrics(),
+        health_interval_seconds=60,
+    )
+    a, b = pool.servers
+
+    async def round_probes() -> list[str]:
+        probed.clear()
+        await pool.check()
+        return sorted(probed)
+
+    with pool.call(a, "step"):
+        pass
+    assert await round_probes() == ["http://b"]
+    assert await round_probes() == ["http://a", "http://b"]  # no call since
+    with pytest.raises(RuntimeError), pool.call(a, "step"):
+        raise RuntimeError("no answer")
+    async with pool.call(b, "step"):
+        pass
+    assert await round_probes() == ["http://a"]
+    with pytest.raises(TimeoutError):
+        async with pool.call(b, "step"):
+            raise TimeoutError
+    assert await round_probes() == ["http://a", "http://b"]
+    pool.mark_down(a, "test")
+    with pool.call(a, "step"):  # a session's call answered while the server is out of placement
+        pass
+    assert await round_probes() == ["http://a", "http://b"]
+    assert a.healthy and b.healthy  # its probe brought it back
+    a.failed_checks = 2
+    with pool.call(a, "step"):
+        pass
+    await pool.check()
+    assert a.failed_checks == 0  # an answer ends a run of failed probes as a passed one does
+    await pool.close()
+
+
+def test_masking_keys_are_fresh_across_the_blocks_they_are_drawn_in() -> None:
+    keys = [next(openenv._MASK_KEYS) for _ in range(3 * openenv._MASK_KEYS_DRAWN)]
+    assert {len(key) for key in keys} == {4}
+    assert len(set(keys)) > 0.99 * len(keys)  # 3,072 draws of 2**32: a repeat or two at most
+
+
 async def test_the_pools_series_read_as_prometheus_clients_own_metrics_would(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -295,8 +351,9 @@ def test_a_text_frame_is_the_one_websockets_serializes(length: int, monkeypatch:
     """text_frame (the session's hand-written send) writes what websockets' protocol would for the
     same key, and websockets' own parser on the server side reads it back."""
     payload = bytes(ord("a") + i % 26 for i in range(length))
-    keys = iter([b"\x01\x02\x03\x04"] * 2)
-    monkeypatch.setattr(secrets, "token_bytes", lambda n: next(keys))
+    key = b"\x01\x02\x03\x04"
+    monkeypatch.setattr(openenv, "_MASK_KEYS", iter([key]))
+    monkeypatch.setattr(secrets, "token_bytes", lambda n: key)  # websockets' draw
     ours = text_frame(payload)
     assert ours == Frame(OP_TEXT, payload).serialize(mask=True)
     reader = StreamReader()

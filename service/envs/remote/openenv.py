@@ -13,6 +13,7 @@ import re
 import secrets
 import struct
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -120,6 +121,17 @@ class SessionClient(GenericEnvClient):  # type: ignore[misc]
             raise ConnectionError(f"Failed to connect to {self._ws_url}: {error}") from error
         return self
 
+    async def request(self, kind: str, data: dict[str, Any]) -> dict[str, Any]:
+        """The answer's data to an openenv `reset` or `step` message (`{"type": kind, "data":
+        data}`), as EnvClient.reset and .step send it and read its answer (_send_and_receive: a
+        server's error raised as openenv raises it), without the StepResult that GenericEnvClient
+        builds around the data: its "observation", "reward" and "done" are read where they are
+        used. Hand-written on a measured hot path (every env call): openenv's step, its payload
+        and result parsing and the StepResult were 6% of the service's CPU per remote env call
+        (perf, bench/remote_envs.py)."""
+        answer: dict[str, Any] = (await self._send_and_receive({"type": kind, "data": data})).get("data", {})
+        return answer
+
     async def _send(self, message: dict[str, Any]) -> None:
         if self._ws is None:
             await self.connect()
@@ -194,6 +206,7 @@ class AnswerConnection(ClientConnection):
 
     answer: asyncio.Future[BytesLike | None] | None = None  # the awaiting call's, while one awaits
     queued = 0  # whole messages in websockets' queue, ahead of the next answer
+    _waiting_parser: Any = None  # websockets' parser, while it is known to wait for a new frame
 
     def data_received(self, data: bytes) -> None:
         """A chunk that is exactly one final text frame, come while a call awaits its answer and
@@ -220,7 +233,12 @@ class AnswerConnection(ClientConnection):
                 self.answer = None
                 answer.set_result(data[start:])
                 return
+        self._waiting_parser = None  # the parser reads this chunk: its state is its own again
         super().data_received(data)
+
+    def eof_received(self) -> None:
+        self._waiting_parser = None
+        super().eof_received()
 
     def _within_limits(self, length: int) -> bool:
         most_message, most_fragment = self.protocol.max_message_size, self.protocol.max_fragment_size
@@ -232,15 +250,26 @@ class AnswerConnection(ClientConnection):
         """Whether websockets' parser waits for a new frame with nothing buffered: its frame
         parser (Protocol.parse, under the client's handshake parser) suspended in the stream
         reader's at_eof(), in an open connection. A parser of any other shape (another
-        websockets) says no: its own path."""
+        websockets) says no: its own path. Once seen so, the parser stays so until it is fed a
+        chunk or the end of the stream (data_received, eof_received) or is replaced (websockets
+        swaps in a discarding parser when the connection fails): remembered until then, the
+        generators' walk was 4% of the service's CPU per remote env call (perf)."""
         protocol = self.protocol
-        if protocol.state is not State.OPEN or protocol.reader.buffer:
+        if protocol.state is not State.OPEN:
+            return False
+        parser: Any = protocol.parser
+        if parser is self._waiting_parser:
+            return True
+        if protocol.reader.buffer:
             return False
         try:
-            frames: Any = protocol.parser.gi_yieldfrom  # type: ignore[attr-defined]
-            return bool(frames.gi_code is _PARSE_CODE and frames.gi_yieldfrom.gi_code is _AT_EOF_CODE)
+            frames = parser.gi_yieldfrom
+            waiting = frames.gi_code is _PARSE_CODE and frames.gi_yieldfrom.gi_code is _AT_EOF_CODE
         except AttributeError:
             return False
+        if waiting:
+            self._waiting_parser = parser
+        return bool(waiting)
 
     def process_event(self, event: Event) -> None:
         answer = self.answer
@@ -273,8 +302,9 @@ _AT_EOF_CODE = StreamReader.at_eof.__code__
 
 def text_frame(payload: bytes) -> bytes:
     """A client's final text frame of `payload`, as websockets' Protocol.send_text serializes it on
-    a connection without extensions (this client's: no compression): masked, its key from
-    `secrets` as websockets draws it (RFC 6455 asks a client for an unpredictable key).
+    a connection without extensions (this client's: no compression): masked, its key from the
+    OS's random source as websockets draws it (_mask_keys; RFC 6455 asks a client for an
+    unpredictable key).
 
     Hand-written on a measured hot path (every env call): websockets' Frame dataclass, its checks,
     its serialization through a BytesIO and the protocol's write queue were 5% of the service's CPU
@@ -287,10 +317,21 @@ def text_frame(payload: bytes) -> bytes:
         head = _HEAD_16.pack(FIN_TEXT, _MASKED | 126, length)
     else:
         head = _HEAD_64.pack(FIN_TEXT, _MASKED | 127, length)
-    mask = secrets.token_bytes(4)
+    mask = next(_MASK_KEYS)
     return b"".join((head, mask, apply_mask(payload, mask)))
 
 
+def _mask_keys() -> Iterator[bytes]:
+    """Masking keys, 4 bytes each, from the OS's random source (websockets' `secrets`: the same),
+    drawn 1,024 keys at a time: a `getrandom` per frame was 1.6% of the service's CPU per remote
+    env call (perf), and a drawn key is as unpredictable to the server as one drawn per frame."""
+    while True:
+        block = secrets.token_bytes(4 * _MASK_KEYS_DRAWN)
+        yield from [block[at : at + 4] for at in range(0, len(block), 4)]
+
+
+_MASK_KEYS_DRAWN = 1024
+_MASK_KEYS = _mask_keys()
 _MASKED = 0b10000000
 _HEAD_SHORT, _HEAD_16, _HEAD_64 = struct.Struct("!BB"), struct.Struct("!BBH"), struct.Struct("!BBQ")
 
@@ -336,17 +377,18 @@ class OpenEnvSession:
             return Step(observation=unknown, reward=self.reward, done=False)
         # A tool call may have changed the server's state: never re-sent.
         result = await self._call(f"step {name!r}", "step", payload)
-        if result.reward is not None:
-            self.reward = float(result.reward)
-        observation = result.observation
+        reward = result.get("reward")
+        if reward is not None:
+            self.reward = float(reward)
+        observation = result.get("observation", {})
         text = tool_result_text(observation) if actions.mcp else observation_text(observation)
-        return Step(observation=text, reward=self.reward, done=bool(result.done))
+        return Step(observation=text, reward=self.reward, done=bool(result.get("done", False)))
 
-    async def _call(self, what: str, kind: str, payload: dict[str, Any]) -> Any:
+    async def _call(self, what: str, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
         self._settled = False
         with self.env.pool.call(self.server, kind):
             try:
-                result = await self.client.step(payload)
+                result = await self.client.request("step", payload)
             except Exception as error:
                 raise self._failure(what, error) from error
         self._settled = True
@@ -466,7 +508,7 @@ class OpenEnvEnv:
             actions = self.actions if self.actions is not None else await self._learn_actions(server)
             doing = "reset"
             with self.pool.call(server, "reset" if reused else "open"):
-                reset = await client.reset(**data)
+                reset = await client.request("reset", data)
             if client.tools is None:
                 doing = "the tool list"
                 with self.pool.call(server, "list_tools"):
@@ -485,7 +527,7 @@ class OpenEnvEnv:
                 server.url, config.name, doing, kind, error, config.connect_timeout_seconds
             ) from error
         session = OpenEnvSession(self, server, client, opened_reset(reset, server))
-        session.reward = float(reset.reward or 0.0)
+        session.reward = float(reset.get("reward") or 0.0)
         return session
 
     async def close(self) -> None:
@@ -499,5 +541,6 @@ class _KeptSessionEnded(Exception):
     """A kept session's connection was gone when its next episode reset it."""
 
 
-def opened_reset(reset: Any, server: Server) -> Reset:
-    return Reset(observation=observation_text(reset.observation), info={"env_server": server.url})
+def opened_reset(reset: dict[str, Any], server: Server) -> Reset:
+    """The Reset of a reset's answer data."""
+    return Reset(observation=observation_text(reset.get("observation", {})), info={"env_server": server.url})

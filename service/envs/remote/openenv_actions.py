@@ -85,12 +85,13 @@ class ActionSpace:
         return cls(mcp=False, tool_name=tool_name, action_tool=action_function(action_schema, tool_name))
 
     async def tools(self, client: Any) -> list[dict[str, Any]]:
-        """The session's tools: its MCP tool list (a step of `client`), or the action's tool."""
+        """The session's tools: its MCP tool list (a step of `client`, a SessionClient), or the
+        action's tool."""
         if not self.mcp:
             assert self.action_tool is not None
             return [self.action_tool]
-        listed = await client.step(LIST_TOOLS)
-        return [function_schema(tool) for tool in listed.observation.get("tools") or []]
+        listed = await client.request("step", LIST_TOOLS)
+        return [function_schema(tool) for tool in listed.get("observation", {}).get("tools") or []]
 
 
 def observation_text(observation: Any) -> str:

@@ -126,8 +126,48 @@ def driven_bodies(prefix: str, episodes: int) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+async def fixed_and_per_call(
+    http: httpx.AsyncClient, pid: int, idle_rate: float, episodes: int, prefix: str
+) -> dict[str, Any]:
+    """Each path's service CPU split into a fixed cost per episode and a cost per model call: a line
+    through two phases' (CPU per episode, calls per episode) points. The loop: builtin/shop at
+    max_turns 10 and 2; the driven path: its two tasksets apart (vf_arithmetic, 1 call; vf_files, 2
+    calls whose requests also carry tools and the longer conversation, so its per-call figure is
+    an upper bound). The goal's ratio divides by calls a path's whole CPU, episodes' fixed costs in
+    it; this says which of the two makes the gap."""
+
+    async def point(bodies: list[dict[str, Any]]) -> tuple[float, float]:
+        before = cpu_seconds_of(pid)
+        played, seconds = await run_batch(http, bodies)
+        cpu = cpu_seconds_of(pid) - before - idle_rate * seconds
+        return cpu / len(played) * 1000, sum(e["num_turns"] or 0 for e in played) / len(played)
+
+    short = [{**body, "max_turns": 2} for body in loop_bodies(episodes)]
+    single, multi = driven_bodies(prefix, 2 * episodes)
+    points = {
+        "loop": (await point(loop_bodies(episodes)), await point(short)),
+        "driven": (await point([multi]), await point([single])),
+    }
+    out: dict[str, Any] = {}
+    for path, ((ms_a, calls_a), (ms_b, calls_b)) in points.items():
+        per_call = (ms_a - ms_b) / (calls_a - calls_b)
+        out[path] = {
+            "ms_per_episode": [round(ms_a, 3), round(ms_b, 3)],
+            "calls_per_episode": [round(calls_a, 3), round(calls_b, 3)],
+            "ms_per_call": round(per_call, 3),
+            "ms_fixed_per_episode": round(ms_a - per_call * calls_a, 3),
+        }
+    out["ratio_per_call"] = round(out["driven"]["ms_per_call"] / out["loop"]["ms_per_call"], 3)
+    return out
+
+
 async def measure(
-    url: str, service_pid: int, episodes: int, agent: str, profile: Profile | None = None
+    url: str,
+    service_pid: int,
+    episodes: int,
+    agent: str,
+    profile: Profile | None = None,
+    decompose: bool = False,
 ) -> dict[str, Any]:
     prefix = AGENTS[agent]
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
@@ -160,6 +200,9 @@ async def measure(
         vf_cpu = cpu_seconds_of(service_pid) - before
         vf_children_cpu = descendants_cpu(service_pid) - before_children
         vf_calls = sum(e["num_turns"] or 0 for e in vf_episodes)
+        decomposed = (
+            await fixed_and_per_call(http, service_pid, idle_rate, episodes, prefix) if decompose else None
+        )
     loop_per_turn = (loop_cpu - idle_rate * loop_seconds) / max(loop_turns, 1) * 1000
     vf_per_call = (vf_cpu - idle_rate * vf_seconds) / max(vf_calls, 1) * 1000
     return {
@@ -194,6 +237,7 @@ async def measure(
         "ratio_raw": round(vf_cpu / max(vf_calls, 1) / (loop_cpu / max(loop_turns, 1)), 3)
         if loop_cpu
         else None,
+        "fixed_and_per_call": decomposed,
     }
 
 
@@ -235,6 +279,11 @@ def main() -> None:
     )
     parser.add_argument("--database", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--latency", type=float, default=0.05)
+    parser.add_argument(
+        "--decompose",
+        action="store_true",
+        help="four more phases: each path's CPU as a fixed cost per episode and a cost per call",
+    )
     profiles.add_arguments(
         parser, "each phase's service, to PHASE.txt (py-spy) or PHASE.data (perf) in the directory FILE"
     )
@@ -270,7 +319,7 @@ def main() -> None:
             }
             service = spawn(["serve", "--port", str(port)], service_env, tmp / "service.log")
             wait_healthy(url, service, tmp / "service.log")
-            result = asyncio.run(measure(url, service.pid, episodes, args.agent, profile))
+            result = asyncio.run(measure(url, service.pid, episodes, args.agent, profile, args.decompose))
         finally:
             if service is not None:
                 stop(service)

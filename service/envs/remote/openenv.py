@@ -324,7 +324,9 @@ def text_frame(payload: bytes) -> bytes:
 def _mask_keys() -> Iterator[bytes]:
     """Masking keys, 4 bytes each, from the OS's random source (websockets' `secrets`: the same),
     drawn 1,024 keys at a time: a `getrandom` per frame was 1.6% of the service's CPU per remote
-    env call (perf), and a drawn key is as unpredictable to the server as one drawn per frame."""
+    env call (perf), and a drawn key is as unpredictable to the server as one drawn per frame.
+    One generator for the process: only the event loop's thread, which runs the remote sessions,
+    draws from it."""
     while True:
         block = secrets.token_bytes(4 * _MASK_KEYS_DRAWN)
         yield from [block[at : at + 4] for at in range(0, len(block), 4)]

@@ -20,7 +20,8 @@ service with `--profiler` (py-spy's raw stacks of the GIL holder, or perf's CPU 
 
 Run from the repo root in the verifiers virtualenv (`make test-verifiers` builds it):
     PATH=.venv-verifiers/bin:$PATH .venv-verifiers/bin/python bench/verifiers_envs.py [--agent light]
-        [--episodes 1000] [--database sqlite|postgres] [--latency 0.05] [--profile DIR [--profiler perf]]
+        [--episodes 1000] [--database sqlite|postgres] [--latency 0.05] [--decompose]
+        [--profile DIR [--profiler perf]]
 The last line of output is one JSON object.
 """
 

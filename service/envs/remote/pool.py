@@ -365,7 +365,7 @@ class ServerPool:
         server in placement that answered a call since the last round is not probed: its answer
         says as much as the probe would (a probe a round per server and service process was 4% of
         the service's CPU per remote env call at 2,000 episodes in flight, perf; an MCP server's is
-        a whole session handshake). A call that fails, or no call, and the probe runs again."""
+        a whole session handshake). After a failed call, or none, the server is probed again."""
         probed = []
         for server in self.servers:
             if server.answered and server.down is None:

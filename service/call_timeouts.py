@@ -1,9 +1,10 @@
 """CallTimeouts: the timeouts of many calls of one length, checked by one timer.
 
-Hand-written on a measured hot path (every call to a remote env server): asyncio.timeout, or a
-loop.call_later timer per call, costs about 4 us a call on uvloop (its timer handle is a libuv
-timer made, started, stopped and closed per call), 5.6% of the service's CPU per remote env call
-(perf, bench/remote_envs.py); a call here is one dict insert and one pop (0.2 us). Calls of one
+Hand-written on a measured hot path (every call to a remote env server, every engine call and env
+call of a turn): asyncio.timeout, or a loop.call_later timer per call, costs about 4 us a call on
+uvloop (its timer handle is a libuv timer made, started, stopped and closed per call), 5.6% of the
+service's CPU per remote env call (perf, bench/remote_envs.py); a call here is one dict insert and
+one pop (0.2 us). Calls of one
 length end in the order they started, so the dict's insertion order is their deadlines' order, and
 the sweep reads only the expired ones from its front. A call's deadline is noticed at most a
 twentieth of the length (and at most a second) late.
@@ -32,11 +33,13 @@ class CallTimeouts:
         self.period = min(seconds / SWEEPS_PER_LENGTH, MAX_SWEEP_SECONDS)
         self._calls: dict[Hashable, tuple[float, Callable[[], None]]] = {}  # in deadline order
         self._sweep: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the sweep's
 
     def add(self, key: Hashable, expire: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()
         self._calls[key] = (loop.time() + self.seconds, expire)
-        if self._sweep is None:
+        if self._sweep is None or self._loop is not loop:  # (a closed loop's sweep never comes)
+            self._loop = loop
             self._sweep = loop.call_later(self.period, self._expire, loop)
 
     def discard(self, key: Hashable) -> None:
@@ -46,6 +49,8 @@ class CallTimeouts:
         return len(self._calls)
 
     def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._loop:  # a sweep of a loop this was used on before
+            return
         now = loop.time()
         expired = []
         for key, (deadline, expire) in self._calls.items():

@@ -57,3 +57,20 @@ async def test_close_stops_the_sweep() -> None:
 def test_a_length_must_be_positive() -> None:
     with pytest.raises(ValueError, match="must be > 0 s"):
         CallTimeouts(0)
+
+
+def test_calls_on_a_later_event_loop_expire_too() -> None:
+    """A long-lived owner (an env host, an engine transport) may outlive the loop it was first used
+    on: the first loop's sweep is gone with it, so the next loop's first call starts its own."""
+    timeouts = CallTimeouts(0.05)
+    expired: list[str] = []
+
+    async def call(name: str, seconds: float) -> None:
+        timeouts.add(name, lambda: expired.append(name))
+        await asyncio.sleep(seconds)
+
+    asyncio.run(call("ended", 0.0))  # its loop closes with the sweep still scheduled
+    assert timeouts._sweep is not None
+    timeouts.discard("ended")
+    asyncio.run(call("second loop", 0.12))
+    assert expired == ["second loop"]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
+import random
 from typing import Any
 
 import pytest
 
+from service.loop.detokenize import ByteLevelDecoder
 from service.loop.tokens import ChatTemplateError, ChatTokenizer, TokenTexts, Trajectory
 from tests.support.tokenizer import (
     TEMPLATES_DIR,
@@ -193,3 +196,61 @@ async def test_token_texts_keep_multi_byte_characters_whole() -> None:
     # U+FFFD sampled as such (3 byte-level tokens) decodes to U+FFFD with any neighbour: kept.
     sampled = tokenizer.encode("a\ufffd", add_special_tokens=False)
     assert await TokenTexts(loaded).texts(sampled) == [tokenizer.decode([token]) for token in sampled]
+
+
+# ---- byte-level decoding by table (service/loop/detokenize.py) ----
+
+
+def test_sampled_text_is_decoded_by_table_as_the_tokenizer_decodes() -> None:
+    """Random ids (tokens of every kind, added ones among them) and runs of single-byte tokens
+    (which make and break multi-byte characters: U+FFFD where they break) decode as the
+    tokenizer's own decoder does."""
+    backend = load_test_tokenizer().backend_tokenizer
+    decoder = ByteLevelDecoder.of(backend)
+    assert decoder is not None and chat_tokenizer()._byte_level is not None
+    size = backend.get_vocab_size(with_added_tokens=True)
+    single_bytes = [token_id for token_id in range(size) if len(decoder._table[token_id]) == 1]
+    rng = random.Random(7)
+    probes = [[rng.randrange(size) for _ in range(rng.randrange(0, 60))] for _ in range(500)]
+    probes += [[rng.choice(single_bytes) for _ in range(rng.randrange(1, 12))] for _ in range(500)]
+    probes.append([*chat_tokenizer().encode('ünïcødé ✓ <tool_call>{"a": 1}</tool_call>'), 2])  # <|im_end|>
+    texts = [decoder.decode(ids) for ids in probes]
+    assert texts == backend.decode_batch(probes, skip_special_tokens=False)
+    assert any("\ufffd" in text for text in texts)  # broken characters were among them
+
+
+def test_ids_outside_the_table_go_to_the_tokenizer() -> None:
+    backend = load_test_tokenizer().backend_tokenizer
+    decoder = ByteLevelDecoder.of(backend)
+    assert decoder is not None
+    size = backend.get_vocab_size(with_added_tokens=True)
+    ids = [100, size + 5, 101]
+    assert decoder.decode(ids) == backend.decode(ids, skip_special_tokens=False)
+
+
+def test_a_tokenizer_that_is_not_byte_level_or_decodes_otherwise_keeps_its_decoder(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tokenizers import Tokenizer, decoders, models
+
+    metaspace = Tokenizer(models.WordLevel({"▁a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    metaspace.decoder = decoders.Metaspace()
+    assert ByteLevelDecoder.of(metaspace) is None
+
+    backend = fresh_test_tokenizer().backend_tokenizer
+    backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])  # drops a space
+    assert ByteLevelDecoder.of(backend) is None  # not a ByteLevel decoder alone
+
+    class Differs:  # a ByteLevel decoder whose output the table would not give
+        decoder = decoders.ByteLevel()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(load_test_tokenizer().backend_tokenizer, name)
+
+        def decode_batch(self, probes: list[list[int]], skip_special_tokens: bool) -> list[str]:
+            texts = load_test_tokenizer().backend_tokenizer.decode_batch(probes, skip_special_tokens)
+            return [*texts[:-1], texts[-1] + "!"]
+
+    with caplog.at_level(logging.WARNING, logger="service.loop.detokenize"):
+        assert ByteLevelDecoder.of(Differs()) is None
+    assert "differs from its table" in caplog.text

@@ -243,11 +243,13 @@ def parse_generation(body: Any, logprobs_mode: str | None = None) -> Generation:
         finish_type = "abort"
 
     raw_ids = body.get("output_ids")
-    output_ids = None if raw_ids is None else [_token_id(token) for token in _list(raw_ids, "output_ids")]
     token_logprobs = meta.get("output_token_logprobs")
     if token_logprobs is not None:
         # slime's reading: [logprob, token_id, text_or_null] per output token.
         logprob_ids, logprobs = _token_logprobs(_list(token_logprobs, "output_token_logprobs"))
+        # Their ids are the ones kept: output_ids are only compared with them, as sent (checking
+        # each of them first was a per-token call on a measured hot path, every turn).
+        output_ids = None if raw_ids is None else _list(raw_ids, "output_ids")
         if output_ids is not None and output_ids != logprob_ids:
             logger.warning(
                 "output_ids (%d) disagree with output_token_logprobs (%d) of %s; using the latter",
@@ -256,7 +258,8 @@ def parse_generation(body: Any, logprobs_mode: str | None = None) -> Generation:
                 meta.get("id"),
             )
         output_ids = logprob_ids
-    elif output_ids is not None:
+    elif raw_ids is not None:
+        output_ids = [_token_id(token) for token in _list(raw_ids, "output_ids")]
         # No logprobs although they were asked for: the turn records it (TurnRecord.has_logprobs),
         # so a trainer never takes these zeros for the sampler's logprobs.
         logger.warning("no output_token_logprobs in %s: its logprobs are stored as 0.0", meta.get("id"))

@@ -11,6 +11,7 @@ request and its failures are the same.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 import time
 from collections import deque
@@ -21,6 +22,8 @@ from urllib.parse import urlsplit
 
 import httptools
 import httpx
+
+from service.call_timeouts import CallTimeouts
 
 CONNECT_TIMEOUT_SECONDS = 10.0
 # Idle keep-alive connections are closed after this long: before the server does (uvicorn, which
@@ -153,6 +156,7 @@ class SocketTransport:
         self._idle: dict[tuple[str, int, bool], deque[_Connection]] = {}
         self._heads: dict[str, tuple[tuple[str, int, bool], bytes]] = {}  # url -> pool key, request head
         self._ssl: ssl.SSLContext | None = None
+        self._timeouts: dict[float, CallTimeouts] = {}  # by length: a client's calls share theirs
 
     def _head(self, url: str) -> tuple[tuple[str, int, bool], bytes]:
         known = self._heads.get(url)
@@ -217,12 +221,16 @@ class SocketTransport:
         except (OSError, TimeoutError) as error:
             reason = f"cannot connect: {type(error).__name__}: {error}"
             raise TransportFailure(reason, may_be_running=False) from error
-        timer: asyncio.TimerHandle | None = None
+        timeouts = self._timeouts.get(timeout_seconds)
+        if timeouts is None:
+            timeouts = self._timeouts[timeout_seconds] = CallTimeouts(timeout_seconds)
+        answer: asyncio.Future[Reply] | None = None
         try:
             answer = connection.send(b"%s%d\r\n%s\r\n%s" % (head, len(body), extra, body), on_body)
-            # One timer failing the answer, not asyncio.timeout (its Timeout and the task's cancel
-            # and uncancel): a measured hot path, every generate call.
-            timer = asyncio.get_running_loop().call_later(timeout_seconds, _time_out, answer, timeout_seconds)
+            # The answer failed at its deadline by one sweep of all calls of its length, not
+            # asyncio.timeout (its Timeout and the task's cancel and uncancel) nor a timer per call:
+            # a measured hot path, every generate call (service/call_timeouts.py).
+            timeouts.add(answer, functools.partial(_time_out, answer, timeout_seconds))
             reply = await answer
         except BaseException as error:  # a timeout, a dropped connection, a cancellation
             connection.close()  # mid-request: its state is unknown
@@ -230,8 +238,8 @@ class SocketTransport:
                 raise TransportFailure(f"{type(error).__name__}: {error}", may_be_running=True) from error
             raise
         finally:
-            if timer is not None:
-                timer.cancel()
+            if answer is not None:
+                timeouts.discard(answer)
         self._release(key, connection)
         return reply
 
@@ -240,6 +248,8 @@ class SocketTransport:
             for connection in idle:
                 connection.close()
         self._idle.clear()
+        for timeouts in self._timeouts.values():
+            timeouts.close()
 
 
 class HttpxTransport:

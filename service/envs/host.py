@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from service.call_timeouts import CallTimeouts
 from service.envs import child
 from service.envs.base import DriveOutcome, DriveRequest, EnvSpec, UserSimConfig
 from service.envs.errors import EnvCallTimeout, EnvHostClosed, EnvHostError, EnvNotFound, EnvWorkerCrashed
@@ -74,7 +75,7 @@ class EnvHost:
         self.executor_kind = executor
         self.user_sim = user_sim
         self.threads_per_worker = threads_per_worker
-        self.call_timeout_seconds = call_timeout_seconds
+        self._timeouts = CallTimeouts(call_timeout_seconds)
         self.shutdown_grace_seconds = shutdown_grace_seconds
         self._envs = envs
         self._size = workers
@@ -88,6 +89,15 @@ class EnvHost:
     @property
     def workers(self) -> int:
         return self._size
+
+    @property
+    def call_timeout_seconds(self) -> float:
+        """How long a call may run (a new length holds for the calls started after it is set)."""
+        return self._timeouts.seconds
+
+    @call_timeout_seconds.setter
+    def call_timeout_seconds(self, seconds: float) -> None:
+        self._timeouts = CallTimeouts(seconds)
 
     @property
     def closed(self) -> bool:
@@ -224,13 +234,14 @@ class EnvHost:
     async def outcome(self, call: asyncio.Future[T], what: str) -> T:
         """Awaits a call; cancelling the caller or timing out leaves the call itself running.
 
-        Hand-written on a measured hot path (every env call of every turn): a waiter and one timer
-        instead of asyncio.timeout and asyncio.shield, whose Timeout, shielding future and task
-        bookkeeping cost as much as the rest of the hand-off."""
+        Hand-written on a measured hot path (every env call of every turn): a waiter, and the
+        timeout one sweep of every call's (CallTimeouts: not a timer per call), instead of
+        asyncio.timeout and asyncio.shield, whose Timeout, shielding future and task bookkeeping
+        cost as much as the rest of the hand-off."""
         if not call.done():
-            loop = asyncio.get_running_loop()
-            waiter: asyncio.Future[bool] = loop.create_future()
-            timer = loop.call_later(self.call_timeout_seconds, _wake, waiter, False)
+            waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            timeouts = self._timeouts
+            timeouts.add(waiter, functools.partial(_wake, waiter, False))
             wake = functools.partial(_wake_on, waiter)
             call.add_done_callback(wake)
             try:
@@ -240,7 +251,7 @@ class EnvHost:
                 call.add_done_callback(ignore_outcome)  # nobody awaits it any more
                 raise
             finally:
-                timer.cancel()
+                timeouts.discard(waiter)
             if not finished and not call.done():
                 call.remove_done_callback(wake)
                 call.add_done_callback(ignore_outcome)

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar, overload
 import orjson
 from cachetools import LRUCache
 
+from service.loop.detokenize import ByteLevelDecoder
 from service.records import EpisodeTokens
 
 _K = TypeVar("_K")  # a prompt cache's key
@@ -180,6 +181,7 @@ class ChatTokenizer:
         self.tool_instruction = tool_instruction
         self.template_tool_instruction = template_tool_instruction
         self._backend = self._checked_backend(tokenizer)
+        self._byte_level = None if self._backend is None else ByteLevelDecoder.of(self._backend)
         # (role, name, whether it names a tool call) -> the text around a message's content, or
         # None where the template does not render the content verbatim (it trims or escapes it):
         # see message_ids.
@@ -254,6 +256,8 @@ class ChatTokenizer:
         return backend
 
     def decode(self, ids: list[int]) -> str:
+        if self._byte_level is not None:
+            return self._byte_level.decode(ids)
         if self._backend is not None:
             return self._backend.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False)

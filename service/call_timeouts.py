@@ -4,10 +4,9 @@ Hand-written on a measured hot path (every call to a remote env server, every en
 call of a turn): asyncio.timeout, or a loop.call_later timer per call, costs about 4 us a call on
 uvloop (its timer handle is a libuv timer made, started, stopped and closed per call), 5.6% of the
 service's CPU per remote env call (perf, bench/remote_envs.py); a call here is one dict insert and
-one pop (0.2 us). Calls of one
-length end in the order they started, so the dict's insertion order is their deadlines' order, and
-the sweep reads only the expired ones from its front. A call's deadline is noticed at most a
-twentieth of the length (and at most a second) late.
+one pop (0.2 us). Calls of one length end in the order they started, so the dict's insertion order
+is their deadlines' order, and the sweep reads only the expired ones from its front. A call's
+deadline is noticed at most a twentieth of the length (and at most a second) late.
 """
 
 from __future__ import annotations

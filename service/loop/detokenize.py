@@ -64,7 +64,7 @@ class ByteLevelDecoder:
         table = []
         for token_id in range(size):
             token = backend.id_to_token(token_id)
-            if token is None:  # a hole in the ids: the tokenizer decodes every id past it
+            if token is None:  # an id without a token below the last: no table, the tokenizer decodes
                 return None
             table.append(_token_bytes(token, characters))
         candidate = cls(backend, table)

@@ -110,8 +110,15 @@ _CLAIMED_COLUMNS = (
 )
 
 
+# A claim's row closes with the request's columns: taken by position (a row's `_mapping` is a new
+# object at each access, and one per column was 3% of the service's CPU per call of agent-driven
+# episodes: py-spy).
+_REQUEST_NAMES = tuple(column.name for column in REQUEST_COLUMNS)
+_REQUEST_AT = len(_CLAIMED_COLUMNS) - len(REQUEST_COLUMNS)
+
+
 def _claimed(row: Row[Any]) -> ClaimedEpisode:
-    request = EpisodeRequest(**{column.name: row._mapping[column.name] for column in REQUEST_COLUMNS})
+    request = EpisodeRequest(**dict(zip(_REQUEST_NAMES, row[_REQUEST_AT:], strict=True)))
     return ClaimedEpisode(
         spec=EpisodeSpec(row.id, row.attempt, request),
         batch_id=row.batch_id,

@@ -16,7 +16,9 @@ CPU at rest outweighs its CPU per call: the figure is noise. `--agent light` (th
 flight): tests/verifiers_tasksets/vf_wire.py's driver sends the requests verifiers' harnesses send
 (streamed chat completions with usage, the same messages and tools) without a harness program; the
 service's side (claim, hand-over, calls, finish) is the same. `--profile DIR` records each phase's
-service with `--profiler` (py-spy's raw stacks of the GIL holder, or perf's CPU samples).
+service with `--profiler` (py-spy's raw stacks of the GIL holder, or perf's CPU samples). Last,
+the light agent's requests go to a bare server (bench/http_floor.py): what an HTTP request alone
+costs, against which the driven call's CPU reads.
 
 Run from the repo root in the verifiers virtualenv (`make test-verifiers` builds it):
     PATH=.venv-verifiers/bin:$PATH .venv-verifiers/bin/python bench/verifiers_envs.py [--agent light]
@@ -48,7 +50,7 @@ sys.path.insert(0, str(TASKSETS))
 
 import httpx  # noqa: E402
 
-from bench import profiles  # noqa: E402
+from bench import http_floor, profiles  # noqa: E402
 from bench.common import cpu_seconds_of, fresh_database, percentiles_ms, stop, wait_healthy  # noqa: E402
 from bench.profiles import Profile, profiled_env, profiling  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
@@ -325,8 +327,16 @@ def main() -> None:
             if service is not None:
                 stop(service)
             stop(sim)
+    import vf_wire  # the light agent's requests (it imports verifiers)
+
+    # The same requests to a bare server, after the service stopped: an HTTP request's own share.
+    floor = http_floor.measure(episodes, system=vf_wire.BASH_SYSTEM, tools=vf_wire.BASH_TOOLS)
+    loop_turn = result["loop"]["service_cpu_ms_per_turn"]
+    floor["ratio_to_loop_turn"] = (
+        round(floor["server_cpu_ms_per_request"] / loop_turn, 3) if loop_turn else None
+    )
     result = {"goal": GOAL, "database": args.database, "in_flight": episodes, **result,
-              "startup": startup_cost()}  # fmt: skip
+              "http_floor": floor, "startup": startup_cost()}  # fmt: skip
     print(json.dumps(result))
 
 

@@ -327,3 +327,12 @@ def test_remote_envs_quick(capsys: pytest.CaptureFixture[str]) -> None:
     assert report["baseline_thread"]["errors"] == 0 == report["baseline_process"]["errors"]
     assert report["cpu_ratio_vs_process"] is not None and report["cpu_ratio_vs_process"] > 0
     assert report["kill"]["lost"] == 0 and report["kill"]["reward_1"] == report["kill"]["episodes"]
+
+
+def test_http_floor_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_bench("http_floor")
+    report = bench.main(["--episodes", "200"])
+    assert last_json_line(capsys.readouterr().out) == report
+    # Half the episodes make one call, half two: every answer streamed to its [DONE].
+    assert report["episodes"] == 200 and report["requests"] == 300 == report["answers_streamed_to_end"]
+    assert_positive(report, "server_cpu_ms_per_request", "seconds")

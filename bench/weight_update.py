@@ -62,16 +62,34 @@ def sampled_by_engine(sims: list[SimWorker]) -> dict[str, int]:
     return counts
 
 
-async def wait_for_a_turn_in_flight(sims: list[SimWorker], http: httpx.AsyncClient, deadline: float) -> None:
-    """Until a turn is at an engine, or the batch has finished (without resumes, the first update can
-    fail every episode: nothing is left for the next one to cut)."""
+async def wait_for_a_turn_in_flight(sims: list[SimWorker], http: httpx.AsyncClient, deadline: float) -> bool:
+    """Until a turn is at an engine (True), or the batch has finished or the deadline passed (False:
+    without resumes, the first update can fail every episode, and nothing is left to cut)."""
     # The simulated workers serve from their own threads: polled, as no event of this loop can tell.
     polls = 0
-    while not any(sim.running for sim in sims) and time.monotonic() < deadline:
+    while not any(sim.running for sim in sims):
         polls += 1
+        if time.monotonic() >= deadline:
+            return False
         if polls % 20 == 0 and (await http.get(f"/batches/{BATCH_ID}")).json()["complete"]:
-            return
+            return False
         await asyncio.sleep(0.01)
+    return True
+
+
+async def abort_what_runs(
+    sims: list[SimWorker], urls: list[str], http: httpx.AsyncClient, deadline: float
+) -> dict[str, Any]:
+    """slime's abort loop once a turn is at an engine, again if it cut nothing (the turn seen in
+    flight ended before the abort came: a loaded machine's window), until it cut one or nothing is
+    left to cut. Its rounds and seconds, those of the tries together."""
+    started, rounds = time.monotonic(), 0
+    while await wait_for_a_turn_in_flight(sims, http, deadline):
+        before = sum(sim.aborted for sim in sims)
+        rounds += max(await abort_servers_until_idle(urls, SLIME_ABORT_RETRY_SECONDS))
+        if sum(sim.aborted for sim in sims) > before:
+            break
+    return {"rounds": rounds, "seconds": round(time.monotonic() - started, 2)}
 
 
 async def run_batch(
@@ -114,12 +132,9 @@ async def run_batch(
             loops = []
             for version in range(1, updates + 1):
                 await asyncio.sleep(interval)
-                # An update cuts the turns in flight: wait for one (a loaded machine may still be
+                # An update cuts the turns in flight: it waits for one (a loaded machine may still be
                 # claiming), so that every update cuts something and the figures are never empty.
-                await wait_for_a_turn_in_flight(sims, http, submitted + IN_FLIGHT_TIMEOUT_SECONDS)
-                started = time.monotonic()
-                rounds = await abort_servers_until_idle(urls, SLIME_ABORT_RETRY_SECONDS)
-                loops.append({"rounds": max(rounds), "seconds": round(time.monotonic() - started, 2)})
+                loops.append(await abort_what_runs(sims, urls, http, submitted + IN_FLIGHT_TIMEOUT_SECONDS))
                 for sim in sims:
                     sim.update_weights(str(version), abort_all=False)
             last_update = time.monotonic()
@@ -147,6 +162,7 @@ async def run_batch(
         ),
         "whole_episode_reruns": sum(1 for episode in stored if episode.attempt > 0),
         "resumed_calls": resumed_calls,
+        "requests_cut": sum(sim.aborted for sim in sims),
         "abort_loops": loops,
         "seconds_from_last_update_to_complete": round(tail, 2),
     }

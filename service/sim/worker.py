@@ -86,6 +86,7 @@ class SimWorker:
         self.aborts: list[dict[str, Any]] = []
         self.healthy = True
         self.peak_running = 0  # most requests in flight at once
+        self.aborted = 0  # requests cut by an abort, a weight update or a pause (each counted once)
         self._running: dict[str, _Running] = {}
         self._failures: list[int] = []
         self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens, self.config.prefix_page_tokens)
@@ -111,6 +112,8 @@ class SimWorker:
             if abort_all or (rid and (key == rid if exact else key.startswith(rid)))
         ]
         for running in matched:
+            if not running.aborted.is_set():
+                self.aborted += 1
             running.abort_message = message
             running.aborted.set()
         return len(matched)

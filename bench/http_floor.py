@@ -4,10 +4,10 @@ stream a short answer back, with nothing behind it.
 A model call that reaches the service through an episode's endpoint (an external agent, an
 agent-driven env's driver) is an HTTP request the service's own loop never serves: this is that
 request's share of the service's CPU, measured on the smallest server that speaks it (uvicorn, as
-`serve` runs it, with a raw ASGI app that parses the request's JSON and streams five server-sent
-events: the role, the text, the finish reason, the usage, `[DONE]`). bench/verifiers_envs.py runs it
-in the same run as its phases, so a driven call's CPU can be read against it; run alone, it prints
-its own figures.
+`serve` runs it, with a raw ASGI app that parses the request's JSON and streams the five server-sent
+events the service writes for a short answer: the role, the text, the finish reason, the usage,
+`[DONE]`). bench/verifiers_envs.py runs it in the same run as its phases, so a driven call's CPU
+can be read against it; run alone, it prints its own figures.
 
 Run from the repo root:
     .venv/bin/python bench/http_floor.py [--episodes 1000]
@@ -34,6 +34,9 @@ import orjson  # noqa: E402
 from starlette.types import Receive, Scope, Send  # noqa: E402
 
 from bench.common import cpu_seconds_of, launch, stop, wait_healthy  # noqa: E402
+from service.agents.chat_completions import CompletionChunks  # noqa: E402
+from service.agents.conversation import Answer  # noqa: E402
+from service.agents.streaming import AnswerStream  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 GOAL = "the server's CPU per streamed chat completion of an HTTP endpoint with nothing behind it"
@@ -42,24 +45,11 @@ USER_TURN = {"role": "user", "content": "What is 37 times 12? Answer with the nu
 ANSWER = "The answer is 444."
 
 
-def _event(data: dict[str, Any] | str) -> bytes:
-    return b"data: " + (data.encode() if isinstance(data, str) else orjson.dumps(data)) + b"\n\n"
-
-
 def _events() -> list[bytes]:
-    head = {"id": "chatcmpl-floor", "object": "chat.completion.chunk", "created": 0, "model": "policy"}
-
-    def choice(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return _event({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-
-    usage = {"prompt_tokens": 40, "completion_tokens": 8, "total_tokens": 48}
-    return [
-        choice({"role": "assistant", "content": ""}),
-        choice({"content": ANSWER}),
-        choice({}, "stop"),
-        _event({**head, "choices": [], "usage": usage}),
-        _event("[DONE]"),
-    ]
+    """The events the service streams for a short text answer (its own CompletionChunks)."""
+    chunks = CompletionChunks("policy", include_usage=True)
+    answer = Answer(content=ANSWER, reasoning=None, prompt_tokens=40, completion_tokens=8)
+    return [*chunks.start(AnswerStream()), *chunks.delta("content", ANSWER), *chunks.end(answer)]
 
 
 EVENTS = _events()
